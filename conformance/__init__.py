@@ -1,0 +1,3 @@
+"""conformance: goldens, backends, gates, reports and the `k3conf` CLI."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""One module per `k3conf` subcommand; each exposes register(subparsers)."""

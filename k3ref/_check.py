@@ -1,0 +1,52 @@
+"""Input validation shared by every reference: shapes, ranks, dtypes, finiteness.
+
+Every check raises ValueError naming the argument, what was expected and what was found.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def as_float(name: str, x, *, allow_nan: bool = False) -> np.ndarray:
+    """Return x as a floating ndarray (float32/float64 kept; ints and bf16 promoted to float32)."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
+        raise ValueError(f"{name}: expected a real floating array, found dtype {a.dtype}")
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float32)
+    if not allow_nan and not np.all(np.isfinite(a)):
+        bad = np.argwhere(~np.isfinite(a))[0]
+        raise ValueError(f"{name}: expected finite values, found {a[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
+    return a
+
+
+def check_shape(name: str, a: np.ndarray, expected: tuple) -> tuple[int, ...]:
+    """Check a's shape against `expected`, a tuple of ints (exact) or None (any) or str (named dim).
+
+    Named dims must agree with each other within one call; returns a.shape.
+    """
+    a = np.asarray(a)
+    if a.ndim != len(expected):
+        raise ValueError(f"{name}: expected rank {len(expected)} {_fmt(expected)}, found shape {a.shape}")
+    bound: dict[str, int] = {}
+    for axis, (want, got) in enumerate(zip(expected, a.shape)):
+        if want is None:
+            continue
+        if isinstance(want, str):
+            if bound.setdefault(want, got) != got:
+                raise ValueError(f"{name}: dim {want} is {bound[want]} and {got} in shape {a.shape} ({_fmt(expected)})")
+        elif want != got:
+            raise ValueError(f"{name}: expected {_fmt(expected)}, found shape {a.shape} (axis {axis}: {want} != {got})")
+    return a.shape
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless cond."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def _fmt(expected: tuple) -> str:
+    return "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"

@@ -1,0 +1,62 @@
+"""Cores: the heavy steps of the host graph, injectable so one kernel can be swapped in at a time.
+
+The host graph (k3ref.cpu_forward) and the block layer functions (kda_decode_token, mla_decode_token,
+latent_moe_forward, ...) call every heavy step through a `Cores` object. k3ref supplies the reference
+cores; k3cuda and the torch baseline supply cores with the same signatures (numpy arrays in and out),
+and the conformance runner swaps them one at a time to find the first kernel that goes wrong.
+Signatures are listed in docs/interfaces.md; each core's docstring in its own module is the contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+CORE_NAMES = (
+    "rmsnorm",       # (x [..., D], w [D], eps) -> [..., D]
+    "situ_glu",      # (gate [..., I], up [..., I], beta=4.0, linear_beta=25.0) -> [..., I]
+    "kda_decode",    # one token of the KDA recurrence incl. gate, L2 norms, beta sigmoid
+    "kda_prefill",   # T tokens of the same (chunked form)
+    "mla_decode",    # absorbed MLA attention over the paged latent cache
+    "mxfp4_gemv",    # y = W x with W in the K3 MXFP4 layout
+    "moe_route",     # sigmoid top-k router
+    "attnres_mix",   # Block AttnRes softmax mix over depth sources
+    "attnres_hub",   # factory of the per-token AttnRes block state (block boundaries)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cores:
+    """One callable per heavy step. Build with `reference_cores()` and swap with `.replace(name=fn)`."""
+
+    rmsnorm: Callable[..., Any]
+    situ_glu: Callable[..., Any]
+    kda_decode: Callable[..., Any]
+    kda_prefill: Callable[..., Any]
+    mla_decode: Callable[..., Any]
+    mxfp4_gemv: Callable[..., Any]
+    moe_route: Callable[..., Any]
+    attnres_mix: Callable[..., Any]
+    attnres_hub: Callable[..., Any]
+
+    def replace(self, **swaps: Callable[..., Any]) -> "Cores":
+        unknown = sorted(set(swaps) - set(CORE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown core(s) {unknown}; expected some of {list(CORE_NAMES)}")
+        return dataclasses.replace(self, **swaps)
+
+
+def reference_cores() -> Cores:
+    """The exact NumPy cores (compute in the dtype of their inputs)."""
+    from . import attnres, kda, latent_moe, mla, mxfp4, ops, situ
+
+    return Cores(
+        rmsnorm=ops.rmsnorm,
+        situ_glu=situ.situ_glu,
+        kda_decode=kda.kda_decode_core,
+        kda_prefill=kda.kda_prefill_core,
+        mla_decode=mla.mla_decode_core,
+        mxfp4_gemv=mxfp4.mxfp4_gemv,
+        moe_route=latent_moe.sigmoid_topk,
+        attnres_mix=attnres.attnres_mix,
+        attnres_hub=attnres.AttnResHub,
+    )

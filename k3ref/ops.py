@@ -1,0 +1,67 @@
+"""Elementwise and small linear-algebra steps shared by the blocks.
+
+All functions compute in the floating dtype of their input (float64 or float32).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._check import as_float, check_shape
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """sigma(x) = 1 / (1 + exp(-x)), written so that neither branch overflows. Any shape."""
+    x = as_float("x", x, allow_nan=True)
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """SiLU(x) = x * sigma(x). Any shape."""
+    x = as_float("x", x, allow_nan=True)
+    return x * sigmoid(x)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """softplus(x) = log(1 + exp(x)), stable for large |x| (= max(x, 0) + log1p(exp(-|x|)))."""
+    x = as_float("x", x, allow_nan=True)
+    return (np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))).astype(x.dtype)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Stable softmax along `axis`: exp(x - max) / sum(exp(x - max)). -inf entries get weight 0."""
+    x = as_float("x", x, allow_nan=True)
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm_eps(x; w) = w * x / sqrt(mean(x^2) + eps) over the last axis.
+
+    x: [..., D]; w: [D] -> [..., D], in x's dtype.
+    """
+    x = as_float("x", x)
+    D = x.shape[-1]
+    w = as_float("w", w).astype(x.dtype, copy=False)
+    check_shape("w", w, (D,))
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * inv) * w
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y = x W^T with W stored [out, in] as torch.nn.Linear and checkpoints store it.
+
+    x: [..., in]; w: [out, in] -> [..., out], computed in x's dtype.
+    """
+    x = as_float("x", x)
+    w = np.asarray(w)
+    check_shape("w", w, (None, x.shape[-1]))
+    return x @ w.astype(x.dtype, copy=False).T
+
+
+def gemv(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y = W x for one vector. w: [out, in]; x: [in] -> [out]."""
+    x = as_float("x", x)
+    check_shape("x", x, (None,))
+    return linear(x, w)
