@@ -1,0 +1,241 @@
+"""Paged decode caches.
+
+`MlaKv` is the latent cache of one MLA layer in FlashMLA's paged layout: a pool of pages
+`pages [num_pages, page_size, width]` (K3: pages of 64 tokens, width 576 = [c (512) | k_pe (64)]),
+a page table per sequence and a free-page list. Token i of a sequence lives at
+`pages[table[i // page_size], i % page_size]`, which is what `block_table` hands to the decode core.
+"""
+from __future__ import annotations
+
+import copy as _copy
+import math
+
+import numpy as np
+
+from ._check import as_float, check_shape, require
+
+_CACHE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class MlaKv:
+    """A paged pool of latent rows shared by several sequences of different lengths.
+
+    pages: [num_pages, page_size, width] in `dtype`; unwritten slots hold `fill` (0 by default; NaN
+    poisons them so a kernel that reads past seq_len shows it). Pages are handed out lowest id first,
+    so a given sequence of calls always yields the same block tables.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 64, width: int = 576, dtype=np.float64,
+                 *, fill: float = 0.0):
+        for name, v in (("num_pages", num_pages), ("page_size", page_size), ("width", width)):
+            require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
+                    f"MlaKv: {name} must be a positive int, found {v!r}")
+        dt = np.dtype(dtype)
+        require(dt.name in _CACHE_DTYPES, f"MlaKv: dtype must be one of {_CACHE_DTYPES}, found {dt.name}")
+        self.num_pages, self.page_size, self.width = int(num_pages), int(page_size), int(width)
+        self.fill = float(fill)
+        self.pages = np.full((self.num_pages, self.page_size, self.width), self.fill, dtype=dt)
+        self._free: list[int] = list(range(self.num_pages))   # kept sorted: lowest id is taken first
+        self._tables: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    # -- sequences -----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        return self.pages.dtype
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> tuple[int, ...]:
+        """Live sequence ids, in the order they were added."""
+        return tuple(self._tables)
+
+    def add_sequence(self) -> int:
+        """Register an empty sequence and return its id (ids are never reused)."""
+        sid = self._next_id
+        self._next_id += 1
+        self._tables[sid], self._lens[sid] = [], 0
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        """Drop a sequence and return its pages (refilled with `fill`) to the pool."""
+        self._known(seq_id)
+        pages = self._tables.pop(seq_id)
+        del self._lens[seq_id]
+        self.pages[pages] = self.fill
+        self._free = sorted(self._free + pages)
+
+    # -- writing -------------------------------------------------------------------------------
+    def append(self, seq_ids, rows: np.ndarray) -> None:
+        """Append one token to each listed sequence: rows[b] becomes the next row of seq_ids[b].
+
+        seq_ids: B distinct live ids; rows: [B, width] (stored in the cache dtype). A sequence that
+        crosses a page boundary gets a new page. All-or-nothing: when the pool cannot hold the new
+        pages nothing is written and ValueError says how many pages were needed and free.
+        """
+        ids = self._ids(seq_ids)
+        rows = as_float("rows", rows)
+        check_shape("rows", rows, (len(ids), self.width))
+        new_pages = [s for s in ids if self._lens[s] == len(self._tables[s]) * self.page_size]
+        require(len(new_pages) <= len(self._free),
+                f"MlaKv.append: page pool exhausted: sequences {new_pages} need {len(new_pages)} new page(s), "
+                f"{len(self._free)} of {self.num_pages} free; free() finished sequences or build MlaKv "
+                f"with more num_pages")
+        for b, s in enumerate(ids):
+            if s in new_pages:
+                self._tables[s].append(self._free.pop(0))
+            pos = self._lens[s]
+            self.pages[self._tables[s][pos // self.page_size], pos % self.page_size] = rows[b]
+            self._lens[s] = pos + 1
+
+    # -- reading -------------------------------------------------------------------------------
+    def gather(self, seq_id: int) -> np.ndarray:
+        """The sequence's rows in token order: [L, width] (a copy, cache dtype)."""
+        self._known(seq_id)
+        L = self._lens[seq_id]
+        flat = self.pages[self._tables[seq_id]].reshape(-1, self.width)
+        return flat[:L]            # fancy indexing above already copied
+
+    def block_table(self, seq_ids, max_pages: int | None = None) -> np.ndarray:
+        """[B, max_pages] int32: row b lists the pages of seq_ids[b] in order, unused slots -1.
+
+        max_pages defaults to the most pages any listed sequence holds; pass a larger one for a
+        fixed-width table (it must hold every listed sequence).
+        """
+        ids = self._ids(seq_ids)
+        need = max((len(self._tables[s]) for s in ids), default=0)
+        if max_pages is None:
+            max_pages = need
+        require(isinstance(max_pages, (int, np.integer)) and max_pages >= need,
+                f"block_table: max_pages must be an int >= {need} (pages held), found {max_pages!r}")
+        out = np.full((len(ids), int(max_pages)), -1, dtype=np.int32)
+        for b, s in enumerate(ids):
+            out[b, :len(self._tables[s])] = self._tables[s]
+        return out
+
+    def seq_lens(self, seq_ids) -> np.ndarray:
+        """[B] int32: cached tokens per listed sequence."""
+        return np.array([self._lens[s] for s in self._ids(seq_ids)], dtype=np.int32)
+
+    def copy(self) -> "MlaKv":
+        """An independent deep copy (pages, tables, free list)."""
+        return _copy.deepcopy(self)
+
+    def bytes_per_token(self, dtype_bytes: float | None = None) -> float:
+        """Cache bytes per token per layer: width * dtype_bytes (K3: 576 * 2 = 1152 in bf16).
+
+        dtype_bytes defaults to the item size of this cache's dtype.
+        """
+        if dtype_bytes is None:
+            dtype_bytes = self.dtype.itemsize
+        require(isinstance(dtype_bytes, (int, float, np.number)) and not isinstance(dtype_bytes, bool)
+                and math.isfinite(dtype_bytes) and dtype_bytes > 0,
+                f"bytes_per_token: dtype_bytes must be a positive number, found {dtype_bytes!r}")
+        return self.width * dtype_bytes
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _known(self, seq_id) -> None:
+        require(isinstance(seq_id, (int, np.integer)) and int(seq_id) in self._tables,
+                f"seq_id: expected one of the live sequences {list(self._tables)}, found {seq_id!r}")
+
+    def _ids(self, seq_ids) -> list[int]:
+        ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
+        for s in ids:
+            self._known(s)
+        ids = [int(s) for s in ids]
+        require(len(set(ids)) == len(ids), f"seq_ids: expected distinct ids, found {ids}")
+        return ids
+
+    def __repr__(self) -> str:
+        return (f"MlaKv(num_pages={self.num_pages}, page_size={self.page_size}, width={self.width}, "
+                f"dtype={self.dtype.name}, sequences={dict(self._lens)}, free_pages={len(self._free)})")
+
+
+class HybridCache:
+    """The decode caches of a whole K3 model for several sequences.
+
+    Per MLA layer one paged latent cache (`MlaKv`, rows [c | k_pe], `mla_cfg.cache_width` values per token,
+    pages of `page_size` tokens, one pool shared by the sequences); per KDA layer and sequence one `KdaState`
+    (conv buffers [1, C, W-1] + fp32-or-wider recurrent state [1, H, K, V]). `lengths[seq]` counts the tokens
+    a sequence has consumed; the forward pass checks a token's position against it.
+    """
+
+    def __init__(self, cfg, *, num_pages: int = 64, page_size: int = 64, dtype=np.float64,
+                 kda_state_dtype=None):
+        from .kda import KdaState
+        from .layer import K3Graph, MixerKind
+
+        self.cfg = cfg
+        self.dtype = np.dtype(dtype)
+        self.kda_state_dtype = np.dtype(kda_state_dtype or np.result_type(self.dtype, np.float32))
+        self._kda_cfg = cfg.kda_config()
+        self._mla_cfg = cfg.mla_config()
+        self._KdaState = KdaState
+        graph = K3Graph.from_config(cfg)
+        self.kda_layers = tuple(s.index for s in graph.layers if s.mixer == MixerKind.KDA)
+        self.mla_layers = tuple(s.index for s in graph.layers if s.mixer == MixerKind.MLA)
+        self.mla = {i: MlaKv(num_pages, page_size, self._mla_cfg.cache_width, self.dtype) for i in self.mla_layers}
+        self.kda: dict[tuple[int, int], object] = {}
+        self.lengths: dict[int, int] = {}
+        self._next = 0
+
+    def add_sequence(self) -> int:
+        """Open a new, empty sequence in every layer's cache; returns its id."""
+        seq = self._next
+        self._next += 1
+        for kv in self.mla.values():
+            got = kv.add_sequence()
+            require(got == seq, f"MLA cache sequence ids out of step: expected {seq}, found {got}")
+        for layer in self.kda_layers:
+            self.kda[(layer, seq)] = self._KdaState.zeros(self._kda_cfg, 1, self.kda_state_dtype)
+        self.lengths[seq] = 0
+        return seq
+
+    def seq_len(self, seq: int) -> int:
+        """Tokens consumed so far by sequence `seq`."""
+        require(seq in self.lengths, f"unknown sequence {seq}; open ones: {sorted(self.lengths)}")
+        return self.lengths[seq]
+
+    def kda_state(self, layer: int, seq: int):
+        return self.kda[(layer, seq)]
+
+    def set_kda_state(self, layer: int, seq: int, state) -> None:
+        self.kda[(layer, seq)] = state
+
+    def advance(self, seq: int, n: int) -> None:
+        """Record that `seq` consumed n more tokens (after every layer has seen them)."""
+        self.lengths[seq] = self.seq_len(seq) + n
+        for layer, kv in self.mla.items():
+            got = int(kv.seq_lens([seq])[0])
+            require(got == self.lengths[seq],
+                    f"MLA layer {layer} holds {got} tokens of sequence {seq}, expected {self.lengths[seq]}")
+
+    def copy(self) -> "HybridCache":
+        """A deep copy (pages, page tables and KDA states)."""
+        new = object.__new__(HybridCache)
+        new.__dict__.update(self.__dict__)
+        new.mla = {i: kv.copy() for i, kv in self.mla.items()}
+        new.kda = {key: st.copy() for key, st in self.kda.items()}
+        new.lengths = dict(self.lengths)
+        return new
+
+    # Memory accounting (DESIGN.md: 576 values per token per MLA layer; fp32 KDA state per sequence).
+    def mla_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Latent-cache bytes per token over all MLA layers (K3, bf16: 24 x 1152)."""
+        return len(self.mla_layers) * self._mla_cfg.cache_width * dtype_bytes
+
+    def kda_bytes_per_sequence(self, state_bytes: int = 4) -> int:
+        """KDA bytes per sequence over all KDA layers: recurrent [H, K, V] + conv buffers [3 H K, W-1]."""
+        return len(self.kda_layers) * kda_state_bytes(self._kda_cfg, state_bytes)
+
+
+def kda_state_bytes(kda_cfg, state_bytes: int = 4) -> int:
+    """Bytes of one KDA layer's state for one sequence."""
+    H, K = kda_cfg.num_heads, kda_cfg.head_dim
+    recurrent = H * K * K * state_bytes
+    conv = 3 * H * K * (kda_cfg.conv_size - 1) * state_bytes
+    return recurrent + conv

@@ -1,0 +1,263 @@
+"""Gated NoPE MLA (DESIGN.md section 3): the absorbed decode form over the paged latent cache and the
+expanded form, written independently so each checks the other.
+
+Per token x [D], heads h = 0..H-1 (n = qk_nope, r = qk_rope, v = v_head, R = kv_lora):
+    q = W_qb RMSNorm_1e-6(W_qa x)                 -> per head [q_nope_h (n) | q_pe_h (r)]
+    [c_raw | k_pe] = W_kva x;  c = RMSNorm_1e-6(c_raw)   (k_pe: not normalised, not rotated, shared)
+    W_kvb = kv_b_proj.weight [H*(n+v), R]: per head rows 0..n-1 = W_UK,h, rows n..n+v-1 = W_UV,h
+    s_hj = (q_nope_h . W_UK,h c_j + q_pe_h . k_pe_j) / sqrt(n + r)   causal, incl. the current token
+    o_h = W_UV,h sum_j softmax_j(s_h)_j c_j;   y = W_o (concat_h o_h * sigmoid(W_g x))
+Absorbed: q_abs_h = [W_UK,h^T q_nope_h | q_pe_h] dotted with cache rows [c_j | k_pe_j] gives s_hj.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import numpy as np
+
+from . import ops
+from ._check import as_float, check_shape, require
+from .cache import MlaKv
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """MLA geometry (names follow the published config.json). K3: 96, 1536, 512, 128, 64, 128."""
+
+    num_heads: int            # H
+    q_lora_rank: int          # width of the q_a bottleneck
+    kv_lora_rank: int         # R, latent width of c
+    qk_nope_head_dim: int     # n
+    qk_rope_head_dim: int     # r (NoPE: the slots are kept, just not rotated)
+    v_head_dim: int           # v
+    page_size: int = 64       # tokens per cache page (FlashMLA)
+    q_norm_eps: float = 1e-6  # q_a_layernorm
+    kv_norm_eps: float = 1e-6 # kv_a_layernorm
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if f.name.endswith("eps"):
+                require(isinstance(val, (int, float)) and math.isfinite(val) and val > 0,
+                        f"MlaConfig.{f.name}: expected a positive finite float, found {val!r}")
+            else:
+                require(isinstance(val, (int, np.integer)) and not isinstance(val, bool) and val >= 1,
+                        f"MlaConfig.{f.name}: expected a positive int, found {val!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """n + r: the per-head query/key width (192 for K3)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1 / sqrt(n + r) = 1/sqrt(192) for K3 (the full q.k width, not just the nope part)."""
+        return 1.0 / math.sqrt(self.qk_head_dim)
+
+    @property
+    def cache_width(self) -> int:
+        """R + r: values cached per token per layer ([c | k_pe], 576 for K3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+K3_MLA = MlaConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128)
+
+
+def mla_weight_shapes(cfg: MlaConfig, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Module-local MLA weight names (checkpoint names without `...layers.{i}.self_attn.`) -> shape."""
+    H, n, r, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    return {
+        "q_a_proj.weight": (cfg.q_lora_rank, hidden),
+        "q_a_layernorm.weight": (cfg.q_lora_rank,),
+        "q_b_proj.weight": (H * (n + r), cfg.q_lora_rank),
+        "kv_a_proj_with_mqa.weight": (R + r, hidden),
+        "kv_a_layernorm.weight": (R,),
+        "kv_b_proj.weight": (H * (n + v), R),
+        "g_proj.weight": (H * v, hidden),
+        "o_proj.weight": (hidden, H * v),
+    }
+
+
+def check_mla_weights(weights: Mapping[str, np.ndarray], cfg: MlaConfig, hidden: int) -> None:
+    """Every MLA weight present with its shape (no data read): callers check before mutating a cache."""
+    for name, shape in mla_weight_shapes(cfg, hidden).items():
+        require(name in weights, f"weights: missing '{name}' (expected shape {shape})")
+        check_shape(f"weights['{name}']", weights[name], shape)
+
+
+def _weight(weights: Mapping[str, np.ndarray], name: str, cfg: MlaConfig, hidden: int, dtype) -> np.ndarray:
+    """weights[name] checked against mla_weight_shapes and cast to the compute dtype."""
+    require(name in weights, f"weights: missing '{name}' (expected shape {mla_weight_shapes(cfg, hidden)[name]})")
+    w = as_float(f"weights['{name}']", weights[name])
+    check_shape(f"weights['{name}']", w, mla_weight_shapes(cfg, hidden)[name])
+    return w.astype(dtype, copy=False)
+
+
+def _cores(cores):
+    if cores is None:
+        from .cores import reference_cores  # deferred: cores imports every block module, this one included
+        cores = reference_cores()
+    return cores
+
+
+def mla_project(weights: Mapping[str, np.ndarray], x: np.ndarray, cfg: MlaConfig, cores=None):
+    """The per-token projections of the absorbed form.
+
+    x: [B, D] -> q_nope [B, H, n], q_pe [B, H, r], c [B, R], k_pe [B, r], gate [B, H*v] (gate before sigmoid).
+    q = W_qb RMSNorm_q(W_qa x) split per head [q_nope | q_pe]; [c_raw | k_pe] = W_kva x;
+    c = RMSNorm_kv(c_raw); gate = W_g x. k_pe and q_pe are used as they are (NoPE: no rotation).
+    """
+    x = as_float("x", x)
+    B, D = check_shape("x", x, (None, None))
+    cores = _cores(cores)
+    H, n, r, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    w = lambda name: _weight(weights, name, cfg, D, x.dtype)  # noqa: E731
+    q_lat = cores.rmsnorm(ops.linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), cfg.q_norm_eps)
+    q = ops.linear(np.asarray(q_lat, dtype=x.dtype), w("q_b_proj.weight")).reshape(B, H, n + r)
+    kv = ops.linear(x, w("kv_a_proj_with_mqa.weight"))
+    c = np.asarray(cores.rmsnorm(kv[:, :R], w("kv_a_layernorm.weight"), cfg.kv_norm_eps), dtype=x.dtype)
+    gate = ops.linear(x, w("g_proj.weight"))
+    return q[..., :n], q[..., n:], c, kv[:, R:], gate
+
+
+def split_kv_b(W_kvb: np.ndarray, cfg: MlaConfig) -> tuple[np.ndarray, np.ndarray]:
+    """kv_b_proj.weight [H*(n+v), R] -> (W_UK [H, n, R], W_UV [H, v, R]); per head rows [n | v]."""
+    W_kvb = as_float("W_kvb", W_kvb)
+    H, n, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    check_shape("W_kvb", W_kvb, (H * (n + v), R))
+    per_head = W_kvb.reshape(H, n + v, R)
+    return per_head[:, :n, :], per_head[:, n:, :]
+
+
+def absorb_q(q_nope: np.ndarray, q_pe: np.ndarray, W_kvb: np.ndarray, cfg: MlaConfig) -> np.ndarray:
+    """q_abs_h = [W_UK,h^T q_nope_h | q_pe_h], so q_abs_h . [c_j | k_pe_j] = q_h . k_hj.
+
+    q_nope: [B, H, n]; q_pe: [B, H, r]; W_kvb: [H*(n+v), R] -> q_abs [B, H, R + r] in q_nope's dtype.
+    """
+    q_nope = as_float("q_nope", q_nope)
+    B, H, n = check_shape("q_nope", q_nope, (None, cfg.num_heads, cfg.qk_nope_head_dim))
+    q_pe = as_float("q_pe", q_pe).astype(q_nope.dtype, copy=False)
+    check_shape("q_pe", q_pe, (B, H, cfg.qk_rope_head_dim))
+    W_UK, _ = split_kv_b(W_kvb, cfg)
+    q_lat = np.einsum("bhn,hnr->bhr", q_nope, W_UK.astype(q_nope.dtype, copy=False))
+    return np.concatenate([q_lat, q_pe], axis=-1)
+
+
+def mla_decode_core(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
+                    *, scale: float, kv_rank: int) -> np.ndarray:
+    """Absorbed MLA decode over a paged latent cache (FlashMLA's decode interface).
+
+    q_abs: [B, H, R+P]; kv_cache: [N_pages, page, R+P] rows [c | k_pe]; block_table: [B, max_pages] int
+    (block_table[b, i] holds tokens page*i .. page*i + page-1 of sequence b); seq_lens: [B] int, the
+    cached tokens incl. the current one. For rows j < seq_lens[b]:
+        s_hj = scale * q_abs_h . row_j;  p_h = softmax_j(s_h) (stable, float32 or wider);
+        o_lat_h = sum_j p_hj row_j[:kv_rank]                          -> o_lat [B, H, R]
+    Computed in the wider of q_abs's and kv_cache's dtype (at least float32). Slots past seq_lens are
+    never read (they may hold NaN); the rows read must be finite.
+    """
+    q_abs = as_float("q_abs", q_abs)
+    B, H, W = check_shape("q_abs", q_abs, (None, None, None))
+    kv_cache = as_float("kv_cache", kv_cache, allow_nan=True)
+    N, page, _ = check_shape("kv_cache", kv_cache, (None, None, W))
+    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
+    require(block_table.dtype.kind in "iu", f"block_table: expected an integer array, found dtype {block_table.dtype}")
+    require(seq_lens.dtype.kind in "iu", f"seq_lens: expected an integer array, found dtype {seq_lens.dtype}")
+    max_pages = check_shape("block_table", block_table, (B, None))[1]
+    check_shape("seq_lens", seq_lens, (B,))
+    require(isinstance(kv_rank, (int, np.integer)) and 1 <= kv_rank <= W,
+            f"kv_rank: expected an int in [1, {W}] (cache row width), found {kv_rank!r}")
+    require(isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0,
+            f"scale: expected a positive finite float, found {scale!r}")
+    dt = np.result_type(q_abs.dtype, kv_cache.dtype, np.float32)
+    o_lat = np.full((B, H, kv_rank), np.nan, dtype=dt)
+    for b in range(B):
+        L = int(seq_lens[b])
+        require(1 <= L <= max_pages * page,
+                f"seq_lens[{b}]: expected 1 <= seq_len <= {max_pages * page} (rows the block table maps: "
+                f"{max_pages} pages of {page}), found {L}")
+        used = block_table[b, : -(-L // page)]
+        require(bool(np.all((used >= 0) & (used < N))),
+                f"block_table[{b}]: expected page ids in [0, {N}) for the {used.size} page(s) of seq_len {L}, "
+                f"found {used.tolist()}")
+        rows = kv_cache[used].reshape(-1, W)[:L].astype(dt, copy=False)
+        require(bool(np.all(np.isfinite(rows))),
+                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages {used.tolist()}")
+        s = (q_abs[b].astype(dt, copy=False) @ rows.T) * dt.type(scale)     # [H, L]
+        o_lat[b] = ops.softmax(s, axis=-1) @ rows[:, :kv_rank]
+    return o_lat
+
+
+def mla_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, cache: MlaKv, seq_ids, cfg: MlaConfig,
+                     cores=None) -> np.ndarray:
+    """One decode step for B sequences: append each token's [c | k_pe] to its sequence, then attend.
+
+    x: [B, D] (row b is the next token of sequence seq_ids[b]); cache: MlaKv with width R + r and
+    cfg.page_size -> y [B, D] in x's dtype. Steps: mla_project; cache.append; absorb_q;
+    o_lat = cores.mla_decode(...); o_h = W_UV,h o_lat_h; y = W_o (concat_h o_h * sigmoid(gate)).
+    The cache is updated in place (only after x, seq_ids, cache and weight shapes have been checked).
+    """
+    x = as_float("x", x)
+    B, D = check_shape("x", x, (None, None))
+    ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
+    require(len(ids) == B, f"seq_ids: expected {B} ids (one per row of x), found {len(ids)}")
+    require(isinstance(cache, MlaKv), f"cache: expected an MlaKv, found {type(cache).__name__}")
+    require(cache.width == cfg.cache_width and cache.page_size == cfg.page_size,
+            f"cache: expected width {cfg.cache_width} and page_size {cfg.page_size} (cfg), "
+            f"found width {cache.width} and page_size {cache.page_size}")
+    check_mla_weights(weights, cfg, D)
+    cores = _cores(cores)
+    H, v, R = cfg.num_heads, cfg.v_head_dim, cfg.kv_lora_rank
+    q_nope, q_pe, c, k_pe, gate = mla_project(weights, x, cfg, cores)
+    cache.append(ids, np.concatenate([c, k_pe], axis=-1))
+    W_kvb = _weight(weights, "kv_b_proj.weight", cfg, D, x.dtype)
+    q_abs = absorb_q(q_nope, q_pe, W_kvb, cfg)
+    o_lat = cores.mla_decode(q_abs, cache.pages, cache.block_table(ids), cache.seq_lens(ids),
+                             scale=cfg.softmax_scale, kv_rank=R)
+    o_lat = as_float("mla_decode core output", o_lat, allow_nan=True).astype(x.dtype, copy=False)
+    check_shape("mla_decode core output", o_lat, (B, H, R))
+    _, W_UV = split_kv_b(W_kvb, cfg)
+    o = np.einsum("bhr,hvr->bhv", o_lat, W_UV).reshape(B, H * v)
+    return ops.linear(o * ops.sigmoid(gate), _weight(weights, "o_proj.weight", cfg, D, x.dtype))
+
+
+def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaConfig) -> np.ndarray:
+    """The expanded form over one sequence, causal: keys and values materialised per head.
+
+    X: [T, D] -> Y [T, D] in X's dtype. K_h,j = [W_UK,h c_j | k_pe_j], V_h,j = W_UV,h c_j,
+    s_h,tj = q_h,t . K_h,j / sqrt(n + r) for j <= t, Y_t = W_o(concat_h softmax(s_h,t) V_h * sigmoid(W_g X_t)).
+    Shares no code with the absorbed path beyond ops.linear/rmsnorm/softmax/sigmoid.
+    """
+    X = as_float("X", X)
+    T, D = check_shape("X", X, (None, None))
+    H, n, r, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    w = lambda name: _weight(weights, name, cfg, D, X.dtype)  # noqa: E731
+    q = ops.linear(ops.rmsnorm(ops.linear(X, w("q_a_proj.weight")), w("q_a_layernorm.weight"), cfg.q_norm_eps),
+                   w("q_b_proj.weight")).reshape(T, H, n + r)
+    kv_a = ops.linear(X, w("kv_a_proj_with_mqa.weight"))
+    c = ops.rmsnorm(kv_a[:, :R], w("kv_a_layernorm.weight"), cfg.kv_norm_eps)         # [T, R]
+    kv = ops.linear(c, w("kv_b_proj.weight")).reshape(T, H, n + v)
+    K = np.concatenate([kv[..., :n], np.broadcast_to(kv_a[:, None, R:], (T, H, r))], axis=-1)  # [T, H, n+r]
+    V = kv[..., n:]                                                                     # [T, H, v]
+    s = np.einsum("thd,jhd->htj", q, K) / math.sqrt(n + r)
+    s = np.where(np.tri(T, dtype=bool)[None], s, -np.inf)                               # j <= t
+    o = np.einsum("htj,jhv->thv", ops.softmax(s, axis=-1), V).reshape(T, H * v)
+    return ops.linear(o * ops.sigmoid(ops.linear(X, w("g_proj.weight"))), w("o_proj.weight"))
+
+
+def random_mla_weights(cfg: MlaConfig, hidden: int, rng: np.random.Generator, dtype=np.float64) -> dict[str, np.ndarray]:
+    """Synthetic module-local MLA weights with O(1) activations for unit-RMS x.
+
+    Linear weights ~ N(0, 1/fan_in) (outputs keep unit scale); norm weights ~ 1 + 0.1 N(0, 1).
+    """
+    require(isinstance(hidden, (int, np.integer)) and hidden >= 1, f"hidden: expected a positive int, found {hidden!r}")
+    out = {}
+    for name, shape in mla_weight_shapes(cfg, hidden).items():
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / math.sqrt(shape[1])
+        out[name] = w.astype(dtype)
+    return out
