@@ -1,0 +1,158 @@
+"""Block AttnRes: the softmax mix over depth that replaces the plain residual sum (DESIGN.md section 3).
+
+For sources V_i (the embedding, completed block sums, the running partial sum of the current block):
+
+    k_i     = V_i / sqrt(mean_d(V_i^2) + eps)                  (RMS-normalised keys, eps 1e-5)
+    logit_i = sum_d k_id * norm_w_d * proj_w_d                 (one learned query per sublayer)
+    alpha   = softmax_i(logit)
+    out     = sum_i alpha_i V_i                                (the values are NOT normalised)
+
+Per token and layer l the state is (`blocks`, `prefix`); `AttnResHub` carries it:
+
+    h = prefix if not blocks else AR(blocks + [prefix], w_attn)
+    if l % block_size == 0: blocks.append(prefix); prefix = None       # layer 0 appends the embedding
+    a = Mixer(input_norm(h)); prefix = a if prefix is None else prefix + a
+    f = MLP(post_norm(AR(blocks + [prefix], w_mlp))); prefix = prefix + f
+    final: AR(blocks + [prefix], w_out)
+
+Computed in float32 or wider (float64 stays float64; bf16/float16 are promoted to float32).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._check import as_float, check_shape, require
+from .ops import softmax
+
+
+def _as_sources(sources) -> np.ndarray:
+    if isinstance(sources, (list, tuple)):
+        require(len(sources) > 0, "sources: expected at least one source, found an empty list")
+        sources = np.stack([as_float(f"sources[{i}]", s) for i, s in enumerate(sources)])
+    V = as_float("sources", sources)
+    require(V.ndim >= 2 and V.shape[0] >= 1,
+            f"sources: expected shape [S >= 1, ..., D], found {V.shape}")
+    return V
+
+
+def _as_query(proj_w, norm_w, D: int, dtype) -> np.ndarray:
+    proj_w = as_float("proj_w", proj_w)
+    if proj_w.ndim == 2:
+        check_shape("proj_w", proj_w, (1, D))
+        proj_w = proj_w[0]
+    check_shape("proj_w", proj_w, (D,))
+    norm_w = as_float("norm_w", norm_w)
+    check_shape("norm_w", norm_w, (D,))
+    return (norm_w.astype(dtype) * proj_w.astype(dtype)).astype(dtype, copy=False)
+
+
+def attnres_softmax_mix(sources, proj_w: np.ndarray, norm_w: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    """AR(V): softmax over sources of RMS-normalised keys against norm_w * proj_w, mixing the raw values.
+
+    sources: [S, ..., D] (or a list of S arrays [..., D]); proj_w: [D] or [1, D] (checkpoint shape);
+    norm_w: [D] -> out [..., D].  out = sum_i softmax_i(sum_d k_id norm_w_d proj_w_d) V_i with
+    k_i = V_i / sqrt(mean(V_i^2) + eps).
+    """
+    V = _as_sources(sources)
+    D = V.shape[-1]
+    q = _as_query(proj_w, norm_w, D, V.dtype)
+    k = V / np.sqrt(np.mean(V * V, axis=-1, keepdims=True) + eps)
+    alpha = softmax(k @ q, axis=0)                           # [S, ...]
+    return np.sum(alpha[..., None] * V, axis=0)
+
+
+def attnres_blend(skip: np.ndarray, mixed: np.ndarray, mix: float) -> np.ndarray:
+    """(1 - mix) * skip + mix * mixed; skip, mixed: [..., D] (same shape). mix 1 = production AttnRes,
+    mix 0 = the plain residual stream (an ablation lever)."""
+    skip = as_float("skip", skip)
+    mixed = as_float("mixed", mixed)
+    check_shape("mixed", mixed, skip.shape)
+    mix = float(mix)
+    require(np.isfinite(mix), f"mix: expected a finite number, found {mix}")
+    if mix == 1.0:
+        return mixed                                         # exact, whatever skip holds
+    return (1.0 - mix) * skip + mix * mixed
+
+
+def attnres_mix(sources, proj_w: np.ndarray, norm_w: np.ndarray, mix: float = 1.0,
+                eps: float = 1e-5) -> np.ndarray:
+    """The `attnres_mix` core: attnres_blend(sum_i V_i, AR(V), mix).
+
+    sources: [S, ..., D]; proj_w: [D] or [1, D]; norm_w: [D] -> [..., D].
+    """
+    V = _as_sources(sources)
+    return attnres_blend(np.sum(V, axis=0), attnres_softmax_mix(V, proj_w, norm_w, eps), mix)
+
+
+class AttnResHub:
+    """Per-token Block AttnRes state across depth: `blocks` (completed block sums) and `prefix`.
+
+    Arrays are [..., D] (one token or a batch). Call order per layer l:
+    `mixer_input(l, ...)`, `add_mixer(a)`, `mlp_input(...)`, `add_mlp(f)`; at the end `final_input(...)`.
+    The heavy step goes through `cores.attnres_mix` (reference cores when None).
+    """
+
+    def __init__(self, block_size: int):
+        require(isinstance(block_size, (int, np.integer)) and block_size >= 1,
+                f"block_size: expected a positive int, found {block_size!r}")
+        self.block_size = int(block_size)
+        self.blocks: list[np.ndarray] = []
+        self.prefix: np.ndarray | None = None
+
+    def _ar(self, proj_w, norm_w, mix, cores) -> np.ndarray:
+        require(self.prefix is not None,
+                "AttnResHub: prefix is empty; call start() (or add_mixer()) before asking for a mix")
+        if cores is None:
+            from .cores import reference_cores
+            cores = reference_cores()
+        return cores.attnres_mix(np.stack(self.blocks + [self.prefix]), proj_w, norm_w, mix=mix)
+
+    def start(self, embedding: np.ndarray) -> None:
+        """Reset to the token embedding(s) [..., D]: blocks = [], prefix = embedding."""
+        e = as_float("embedding", embedding)
+        require(e.ndim >= 1, "embedding: expected shape [..., D], found a scalar")
+        self.blocks, self.prefix = [], e
+
+    def mixer_input(self, layer: int, proj_w, norm_w, mix: float = 1.0, cores=None) -> np.ndarray:
+        """h for layer `layer`'s mixer; commits the prefix as a completed block when layer % block_size == 0."""
+        require(isinstance(layer, (int, np.integer)) and layer >= 0,
+                f"layer: expected a non-negative int, found {layer!r}")
+        require(self.prefix is not None,
+                f"AttnResHub: prefix is empty at layer {layer}; call start() and finish the previous layer")
+        h = self.prefix if not self.blocks else self._ar(proj_w, norm_w, mix, cores)
+        if layer % self.block_size == 0:
+            self.blocks.append(self.prefix)
+            self.prefix = None
+        return h
+
+    def add_mixer(self, a: np.ndarray) -> None:
+        """prefix = a if prefix is None else prefix + a  (a: [..., D], the mixer output)."""
+        a = as_float("a", a)
+        if self.prefix is None:
+            check_shape("a", a, self.blocks[-1].shape if self.blocks else a.shape)
+            self.prefix = a
+        else:
+            check_shape("a", a, self.prefix.shape)
+            self.prefix = self.prefix + a
+
+    def mlp_input(self, proj_w, norm_w, mix: float = 1.0, cores=None) -> np.ndarray:
+        """AR(blocks + [prefix], w_mlp): the input of this layer's MLP (before post_attention_layernorm)."""
+        return self._ar(proj_w, norm_w, mix, cores)
+
+    def add_mlp(self, f: np.ndarray) -> None:
+        """prefix = prefix + f  (f: [..., D], the MLP output)."""
+        require(self.prefix is not None, "AttnResHub: add_mlp() before add_mixer()")
+        f = as_float("f", f)
+        check_shape("f", f, self.prefix.shape)
+        self.prefix = self.prefix + f
+
+    def final_input(self, proj_w, norm_w, mix: float = 1.0, cores=None) -> np.ndarray:
+        """AR(blocks + [prefix], w_out): the input of the final norm and lm_head."""
+        return self._ar(proj_w, norm_w, mix, cores)
+
+    def copy(self) -> "AttnResHub":
+        """An independent copy (arrays copied) of this state."""
+        new = type(self)(self.block_size)
+        new.blocks = [b.copy() for b in self.blocks]
+        new.prefix = None if self.prefix is None else self.prefix.copy()
+        return new

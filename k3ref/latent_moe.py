@@ -1,0 +1,243 @@
+"""Stable LatentMoE: sigmoid router, routed SiTU experts in a latent width, shared experts (DESIGN.md section 3).
+
+    s     = sigma(W_r x)                                   (fp32 or wider)
+    idx   = top_k(s + e_score_correction_bias)             (the bias only selects; DeepSeek-V3 groups)
+    w     = s[idx] / (sum s[idx] + 1e-20) * routed_scaling_factor
+    z     = W_down_lat x                                   ([T, D] -> [T, Dl])
+    y_lat = sum_k w_k * E_idx_k(z)                         (E = MXFP4 SiTU-GLU expert; w applied after w2)
+    y     = W_up_lat RMSNorm_1e-5(y_lat; routed_expert_norm) + Shared(x)
+
+Weights are a module-local Mapping (names of DESIGN.md section 7 without the layer prefix); only the
+selected experts' tensors are read from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ._check import as_float, check_shape, require
+from .ops import linear, sigmoid
+from .situ import situ_glu_vec
+
+RENORM_EPS = 1e-20
+EXPERT_PROJS = ("w1", "w2", "w3")   # w1 = gate [I, Dl], w3 = up [I, Dl], w2 = down [Dl, I]
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentMoeConfig:
+    """Geometry and routing of one LatentMoE layer (K3: 7168, 896, 16, 3584, 3072, 2, 6144)."""
+
+    hidden_size: int                 # D, the residual width
+    num_experts: int                 # E routed experts
+    top_k: int                       # experts per token
+    latent_size: int                 # Dl, routed_expert_hidden_size (multiple of 32: MXFP4 groups of w1/w3)
+    moe_intermediate_size: int       # I per routed expert (multiple of 32: MXFP4 groups of w2)
+    n_shared_experts: int            # shared experts, fused into one SiTU MLP
+    shared_intermediate_size: int    # width of the FUSED shared MLP (K3: 2 x 3072 = 6144), not per expert
+    n_group: int = 1                 # DeepSeek-V3 expert groups
+    topk_group: int = 1              # groups kept per token
+    renormalize: bool = True         # norm_topk_prob
+    routed_scaling_factor: float = 1.0
+    use_norm: bool = True            # latent_moe_use_norm: RMSNorm on y_lat before the up projection
+    situ_beta: float = 4.0
+    linear_beta: float = 25.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for f in ("hidden_size", "num_experts", "top_k", "latent_size", "moe_intermediate_size",
+                  "n_group", "topk_group"):
+            v = getattr(self, f)
+            require(isinstance(v, (int, np.integer)) and v >= 1, f"{f}: expected a positive int, found {v!r}")
+        for f in ("n_shared_experts", "shared_intermediate_size"):
+            v = getattr(self, f)
+            require(isinstance(v, (int, np.integer)) and v >= 0, f"{f}: expected an int >= 0, found {v!r}")
+        require(self.top_k <= self.num_experts,
+                f"top_k: expected <= num_experts = {self.num_experts}, found {self.top_k}")
+        _check_groups(self.num_experts, self.top_k, self.n_group, self.topk_group)
+        for f in ("latent_size", "moe_intermediate_size"):
+            require(getattr(self, f) % 32 == 0,
+                    f"{f}: expected a multiple of 32 (MXFP4 groups), found {getattr(self, f)}")
+        require(self.routed_scaling_factor > 0,
+                f"routed_scaling_factor: expected > 0, found {self.routed_scaling_factor}")
+        require(self.n_shared_experts == 0 or self.shared_intermediate_size >= 1,
+                f"shared_intermediate_size: expected >= 1 with {self.n_shared_experts} shared experts, "
+                f"found {self.shared_intermediate_size}")
+
+    @property
+    def shared_width(self) -> int:
+        """Rows of shared_experts.gate_proj / up_proj (0 without shared experts): the fused MLP's width."""
+        return self.shared_intermediate_size if self.n_shared_experts > 0 else 0
+
+
+def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
+    require(E % n_group == 0, f"n_group: expected a divisor of num_experts = {E}, found {n_group}")
+    require(1 <= topk_group <= n_group, f"topk_group: expected 1..n_group = {n_group}, found {topk_group}")
+    if n_group > 1:
+        require(E // n_group >= 2, f"n_group: expected >= 2 experts per group (group score = top-2 sum), "
+                                   f"found {E // n_group}")
+    require(top_k <= topk_group * (E // n_group),
+            f"top_k: expected <= topk_group * experts per group = {topk_group * (E // n_group)}, found {top_k}")
+
+
+def _topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest along the last axis, descending; ties: lower index first (stable sort)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+
+
+def sigmoid_topk(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 renormalize: bool = True, scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The `moe_route` core (DeepSeek-V3 gate with sigmoid scores and a selection-only bias).
+
+    logits: [T, E]; bias: [E] -> (weights [T, k] float32/float64, indices [T, k] int64).
+    s = sigma(logits) (fp32 or wider); choice = s + bias; with n_group > 1 each group scores the sum of its
+    top-2 choice values, the best topk_group groups are kept and the rest set to -inf; indices = top_k(choice),
+    ordered by descending choice, ties to the lower expert index. weights = s[indices] (unbiased), divided by
+    (sum + 1e-20) when renormalize, times scaling.
+    """
+    logits = as_float("logits", logits)
+    T, E = check_shape("logits", logits, (None, None))
+    bias = as_float("bias", bias)
+    check_shape("bias", bias, (E,))
+    require(isinstance(top_k, (int, np.integer)) and 1 <= top_k <= E,
+            f"top_k: expected an int in 1..{E}, found {top_k!r}")
+    _check_groups(E, top_k, n_group, topk_group)
+    s = sigmoid(logits)
+    choice = s + bias.astype(s.dtype)
+    if n_group > 1:
+        grouped = choice.reshape(T, n_group, E // n_group)
+        top2 = -np.sort(-grouped, axis=-1)[..., :2]
+        keep = _topk_desc(top2.sum(axis=-1), topk_group)           # [T, topk_group]
+        masked = np.full((T, n_group), True)
+        np.put_along_axis(masked, keep, False, axis=-1)
+        choice = np.where(masked[..., None], -np.inf, grouped).reshape(T, E)
+    idx = _topk_desc(choice, top_k).astype(np.int64)
+    w = np.take_along_axis(s, idx, axis=-1)
+    if renormalize:
+        w = w / (np.sum(w, axis=-1, keepdims=True) + RENORM_EPS)
+    return (w * scaling).astype(s.dtype, copy=False), idx
+
+
+def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
+                       expert_fn: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+    """y_lat[t] = sum_k weights[t, k] * expert_fn(indices[t, k], z[t]), grouped by expert.
+
+    z: [T, Dl]; weights: [T, k]; indices: [T, k] int -> y_lat [T, Dl] in z's dtype. expert_fn(e, rows [n, Dl])
+    -> [n, Dl] is called once per selected expert with the rows that chose it (never for unselected ones);
+    the routing weight is applied to its output (after w2).
+    """
+    z = as_float("z", z)
+    T, Dl = check_shape("z", z, (None, None))
+    weights = as_float("weights", weights)
+    _, k = check_shape("weights", weights, (T, None))
+    indices = np.asarray(indices)
+    require(indices.dtype.kind in "iu", f"indices: expected an integer dtype, found {indices.dtype}")
+    check_shape("indices", indices, (T, k))
+    y = np.zeros_like(z)
+    for e in np.unique(indices):
+        tok, slot = np.nonzero(indices == e)
+        out = np.asarray(expert_fn(int(e), z[tok]))
+        check_shape(f"expert_fn({int(e)}) output", out, (len(tok), Dl))
+        np.add.at(y, tok, weights[tok, slot, None].astype(z.dtype) * out.astype(z.dtype, copy=False))
+    return y
+
+
+def _tensor(weights: Mapping, name: str, shape: tuple) -> np.ndarray:
+    try:
+        a = weights[name]
+    except KeyError:
+        raise ValueError(f"weights: missing tensor {name!r} (expected shape {list(shape)})") from None
+    a = np.asarray(a)
+    check_shape(name, a, shape)
+    return a
+
+
+def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig, cores=None) -> np.ndarray:
+    """One routed expert: E_e(z) = W2 situ_glu(W1 z, W3 z) with MXFP4 weights via `cores.mxfp4_gemv`.
+
+    weights: `experts.{e}.w{1,3}.weight_packed` u8 [I, Dl/2] + `.weight_scale` u8 [I, Dl/32],
+    `experts.{e}.w2.weight_packed` u8 [Dl, I/2] + `.weight_scale` u8 [Dl, I/32]; z: [n, Dl] -> [n, Dl].
+    """
+    if cores is None:
+        from .cores import reference_cores
+        cores = reference_cores()
+    Dl, I = cfg.latent_size, cfg.moe_intermediate_size
+    shapes = {"w1": (I, Dl), "w3": (I, Dl), "w2": (Dl, I)}
+
+    def gemv(proj, x):
+        rows, cols = shapes[proj]
+        packed = _tensor(weights, f"experts.{e}.{proj}.weight_packed", (rows, cols // 2))
+        scale = _tensor(weights, f"experts.{e}.{proj}.weight_scale", (rows, cols // 32))
+        return np.asarray(cores.mxfp4_gemv(packed, scale, x))
+
+    z = as_float("z", z)
+    check_shape("z", z, (None, Dl))
+    h = cores.situ_glu(gemv("w1", z), gemv("w3", z), beta=cfg.situ_beta, linear_beta=cfg.linear_beta)
+    return gemv("w2", np.asarray(h).astype(z.dtype, copy=False)).astype(z.dtype, copy=False)
+
+
+def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, cores=None) -> np.ndarray:
+    """One LatentMoE layer: x [T, D] -> y [T, D] in x's dtype (float32 for bf16 x).
+
+    y = routed_expert_up_proj RMSNorm_eps(mix_k w_k E_k(routed_expert_down_proj x)) (norm when use_norm)
+        + situ_glu_vec(x, shared_experts.{gate,up,down}_proj); routing by `cores.moe_route` on gate.weight x.
+    """
+    if cores is None:
+        from .cores import reference_cores
+        cores = reference_cores()
+    x = as_float("x", x)
+    D, E, Dl = cfg.hidden_size, cfg.num_experts, cfg.latent_size
+    check_shape("x", x, (None, D))
+    logits = linear(x, _tensor(weights, "gate.weight", (E, D)))
+    bias = _tensor(weights, "gate.e_score_correction_bias", (E,))
+    w, idx = cores.moe_route(logits, bias, cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                             renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor)
+    z = linear(x, _tensor(weights, "routed_expert_down_proj.weight", (Dl, D)))
+    y_lat = mix_routed_experts(z, np.asarray(w), np.asarray(idx),
+                               lambda e, rows: routed_expert(weights, e, rows, cfg, cores))
+    if cfg.use_norm:
+        y_lat = np.asarray(cores.rmsnorm(y_lat, _tensor(weights, "routed_expert_norm.weight", (Dl,)),
+                                         cfg.norm_eps)).astype(x.dtype, copy=False)
+    y = linear(y_lat, _tensor(weights, "routed_expert_up_proj.weight", (D, Dl)))
+    if cfg.n_shared_experts > 0:
+        Is = cfg.shared_width
+        y = y + situ_glu_vec(x, _tensor(weights, "shared_experts.gate_proj.weight", (Is, D)),
+                             _tensor(weights, "shared_experts.up_proj.weight", (Is, D)),
+                             _tensor(weights, "shared_experts.down_proj.weight", (D, Is)),
+                             beta=cfg.situ_beta, linear_beta=cfg.linear_beta, cores=cores)
+    return y
+
+
+def random_moe_weights(cfg: LatentMoeConfig, rng: np.random.Generator, dtype=np.float64) -> dict[str, np.ndarray]:
+    """A synthetic module-local weight dict for tests and goldens.
+
+    Linear weights ~ N(0, 1/in) in `dtype` (float64, float32 or ml_dtypes.bfloat16), norm weights ~ 1 + 0.1 N,
+    router bias (F32) ~ N(0, 0.1) -- nonzero and large enough to change the selection against sigmoid
+    scores of spread ~0.2; routed experts quantised to MXFP4 with `quantize`.
+    """
+    D, E, Dl, I, Is = (cfg.hidden_size, cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size,
+                       cfg.shared_width)
+
+    def lin(out, inp):
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(dtype)
+
+    from .mxfp4 import quantize
+
+    w = {
+        "gate.weight": lin(E, D),
+        "gate.e_score_correction_bias": (0.1 * rng.standard_normal(E)).astype(np.float32),
+        "routed_expert_down_proj.weight": lin(Dl, D),
+        "routed_expert_norm.weight": (1.0 + 0.1 * rng.standard_normal(Dl)).astype(dtype),
+        "routed_expert_up_proj.weight": lin(D, Dl),
+    }
+    if cfg.n_shared_experts > 0:
+        w["shared_experts.gate_proj.weight"] = lin(Is, D)
+        w["shared_experts.up_proj.weight"] = lin(Is, D)
+        w["shared_experts.down_proj.weight"] = lin(D, Is)
+    for e in range(E):
+        for proj, (rows, cols) in (("w1", (I, Dl)), ("w3", (I, Dl)), ("w2", (Dl, I))):
+            packed, scale = quantize(rng.standard_normal((rows, cols)) / np.sqrt(cols))
+            w[f"experts.{e}.{proj}.weight_packed"] = packed
+            w[f"experts.{e}.{proj}.weight_scale"] = scale
+    return w

@@ -1,0 +1,141 @@
+"""MXFP4 (OCP Microscaling v1.0) as K3 stores its routed experts (DESIGN.md sections 3 and 7).
+
+32 E2M1 codes share one E8M0 scale:  value = E2M1[code] * 2^(e - 127),  e = 255 is NaN.
+Byte layout (compressed-tensors `mxfp4-pack-quantized`): element 2i sits in the LOW nibble of byte i,
+element 2i+1 in the HIGH nibble. Not the ggml block_mxfp4 layout (which interleaves halves of a block).
+K3 names `...w1.weight_packed` U8 [out, in/2] and `...w1.weight_scale` U8 [out, in/32]; DeepSeek-V4 names
+the same bytes `...w1.weight` / `...w1.scale`.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ._check import as_float, check_shape, require
+
+GROUP = 32          # elements per shared scale
+E8M0_BIAS = 127
+E8M0_NAN = 255
+E2M1_EMAX = 2       # exponent of the largest E2M1 normal (6 = 1.5 * 2^2)
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+E2M1_VALUES.setflags(write=False)
+
+# Decision points between neighbouring non-negative E2M1 magnitudes (codes 0..7).
+_MIDPOINTS = (E2M1_VALUES[:7] + E2M1_VALUES[1:8]).astype(np.float64) / 2.0
+
+
+def _check_u8(name: str, a) -> np.ndarray:
+    a = np.asarray(a)
+    require(a.dtype == np.uint8, f"{name}: expected dtype uint8, found {a.dtype}")
+    require(a.ndim >= 1, f"{name}: expected an array [..., n], found a scalar")
+    return a
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """Codes from bytes: packed u8 [..., n/2] -> codes u8 [..., n]; codes[2i] = low nibble, codes[2i+1] = high."""
+    p = _check_u8("packed", packed)
+    codes = np.stack([p & 0x0F, p >> 4], axis=-1)
+    return codes.reshape(p.shape[:-1] + (2 * p.shape[-1],))
+
+
+def pack_fp4(codes: np.ndarray) -> np.ndarray:
+    """Bytes from codes: codes u8 [..., n] (n even, values < 16) -> packed u8 [..., n/2], low nibble first."""
+    c = _check_u8("codes", codes)
+    require(c.shape[-1] % 2 == 0, f"codes: expected an even last dim, found shape {c.shape}")
+    require(not np.any(c > 15), f"codes: expected 4-bit codes 0..15, found max {int(c.max())}")
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+
+
+def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
+    """E8M0 scale bytes u8 [...] -> float32 2^(e - 127); e = 255 -> NaN; e = 0 -> 2^-127 (a float32 subnormal,
+    exact: computed in float64 and then rounded, which is exact for every 2^k with k >= -149)."""
+    s = np.asarray(scale)
+    require(s.dtype == np.uint8, f"scale: expected dtype uint8, found {s.dtype}")
+    v = np.ldexp(1.0, s.astype(np.int64) - E8M0_BIAS)
+    return np.where(s == E8M0_NAN, np.nan, v).astype(np.float32)
+
+
+def dequantize(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """W = E2M1[codes] * 2^(e - 127) per 32-group: packed u8 [..., n/2], scale u8 [..., n/32] -> float32 [..., n].
+
+    Exact in float32 except where 6 * 2^(e-127) overflows (e = 254 -> inf); e = 255 gives NaN for its group.
+    """
+    p = _check_u8("packed", packed)
+    s = _check_u8("scale", scale)
+    n = 2 * p.shape[-1]
+    require(n % GROUP == 0, f"packed: expected a last dim n/2 with n a multiple of {GROUP}, found shape {p.shape}")
+    check_shape("scale", s, p.shape[:-1] + (n // GROUP,))
+    vals = E2M1_VALUES[unpack_fp4(p)].astype(np.float64)
+    factors = np.repeat(e8m0_to_float(s).astype(np.float64), GROUP, axis=-1)
+    return (vals * factors).astype(np.float32)
+
+
+def _round_e2m1(v: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even onto the E2M1 grid, saturating at +-6: float64 [...] -> codes u8 [...].
+
+    Ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4);
+    the sign is kept, so small negatives become code 8 (-0).
+    """
+    a = np.abs(v)
+    lo = np.searchsorted(_MIDPOINTS, a, side="left")      # a == midpoint -> lower code
+    hi = np.searchsorted(_MIDPOINTS, a, side="right")     # a == midpoint -> upper code
+    mag = np.where(lo % 2 == 0, lo, hi)                   # on a tie exactly one of lo, hi = lo + 1 is even
+    return (mag + 8 * np.signbit(v)).astype(np.uint8)
+
+
+def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """OCP MX v1.0 quantisation: w [..., n] (n multiple of 32, finite) -> (packed u8 [..., n/2], scale u8 [..., n/32]).
+
+    Per 32-group: e = floor(log2(amax)) - 2 (2 = E2M1's emax), clamped to the E8M0 range [-127, 127];
+    codes = RNE onto the E2M1 grid of w / 2^e, saturating at +-6. An all-zero group gets e = -127 (byte 0),
+    as the OCP reference code (microxcaling) does: its amax is replaced by the smallest float32 normal
+    2^-126 before the log, and -126 - 2 clamps to -127.
+    """
+    w = as_float("w", w).astype(np.float64)
+    require(w.ndim >= 1 and w.shape[-1] % GROUP == 0,
+            f"w: expected shape [..., n] with n a multiple of {GROUP}, found {w.shape}")
+    g = w.reshape(w.shape[:-1] + (w.shape[-1] // GROUP, GROUP))
+    amax = np.max(np.abs(g), axis=-1)
+    _, e2 = np.frexp(np.where(amax > 0, amax, 2.0 ** -126))  # amax = m * 2^e2, m in [0.5, 1)
+    e = np.clip(e2 - 1 - E2M1_EMAX, -E8M0_BIAS, E8M0_BIAS)   # floor(log2 amax) = e2 - 1
+    codes = _round_e2m1(np.ldexp(g, -e[..., None]))
+    return pack_fp4(codes.reshape(w.shape).astype(np.uint8)), (e + E8M0_BIAS).astype(np.uint8)
+
+
+def mxfp4_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The `mxfp4_gemv` core: y = dequantize(W) x over the last axis.
+
+    packed: u8 [N, K/2]; scale: u8 [N, K/32]; x: [..., K] -> y [..., N], float64 for float64 x, else float32.
+    """
+    p = _check_u8("packed", packed)
+    check_shape("packed", p, (None, None))
+    x = as_float("x", x)
+    require(x.ndim >= 1, "x: expected shape [..., K], found a scalar")
+    K = x.shape[-1]
+    require(K % GROUP == 0, f"x: expected a last dim K that is a multiple of {GROUP}, found {K}")
+    check_shape("packed", p, (None, K // 2))
+    W = dequantize(p, scale)
+    return x @ W.astype(x.dtype, copy=False).T
+
+
+_K3_NAME = re.compile(r"^(.*\bexperts\.\d+\.w[123])\.(weight_packed|weight_scale)$")
+_DSV4_NAME = re.compile(r"^(.*\bexperts\.\d+\.w[123])\.(weight|scale)$")
+
+
+def k3_to_dsv4_name(name: str) -> str:
+    """`...experts.{E}.w{1,2,3}.weight_packed` -> `....weight`; `...weight_scale` -> `....scale`."""
+    m = _K3_NAME.match(name)
+    require(m is not None, f"name: expected a K3 routed-expert tensor `...experts.{{E}}.w{{1,2,3}}.weight_packed` "
+                           f"or `.weight_scale`, found {name!r}")
+    return m.group(1) + (".weight" if m.group(2) == "weight_packed" else ".scale")
+
+
+def dsv4_to_k3_name(name: str) -> str:
+    """`...experts.{E}.w{1,2,3}.weight` -> `....weight_packed`; `...scale` -> `....weight_scale`."""
+    m = _DSV4_NAME.match(name)
+    require(m is not None, f"name: expected a DeepSeek-V4 routed-expert tensor `...experts.{{E}}.w{{1,2,3}}.weight` "
+                           f"or `.scale`, found {name!r}")
+    return m.group(1) + (".weight_packed" if m.group(2) == "weight" else ".weight_scale")
