@@ -1,0 +1,45 @@
+"""`k3conf model info --config k3 --tp 8`: parameters and per-rank memory of a K3 config.
+
+Prints total and active parameters, the weight bytes one rank holds by group (attention, mlp, experts,
+embeddings, norms), MLA cache bytes per token and KDA state bytes per sequence (k3ref.tp.TpPlan).
+"""
+from __future__ import annotations
+
+from .admit import load_config
+
+
+def register(sub) -> None:
+    p = sub.add_parser("model", help="model geometry: parameters and per-rank memory")
+    msub = p.add_subparsers(dest="model_command", metavar="ACTION")
+    info = msub.add_parser("info", help="parameters, per-rank weight bytes, KV and KDA state bytes")
+    info.add_argument("--config", default="k3", help="preset name (k3, small, tiny) or config.json path")
+    info.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the head counts)")
+    info.set_defaults(func=run_info)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:10.3f} GiB"
+
+
+def run_info(args) -> int:
+    from k3ref.tp import GROUPS, TpPlan
+
+    from ..cli import UsageError
+
+    cfg = load_config(args.config)
+    try:
+        plan = TpPlan(cfg, args.tp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"config {args.config}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, "
+          f"{len(cfg.mla_layers)} MLA), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, tp {args.tp}")
+    print(f"parameters: total {cfg.num_parameters():,}  active per token {cfg.active_parameters():,}")
+    print("weight bytes per rank:")
+    per = plan.weight_bytes_per_rank()
+    for group in (*GROUPS, "total"):
+        print(f"  {group:<11} {per[group]:>18,} B {_gib(per[group])}")
+    print(f"MLA cache per token (bf16, all {len(cfg.mla_layers)} MLA layers): {plan.kv_bytes_per_token():,} B")
+    print(f"KDA state per sequence (fp32, all {len(cfg.kda_layers)} KDA layers): "
+          f"{plan.kda_state_bytes_per_sequence():,} B")
+    return 0

@@ -1,0 +1,151 @@
+"""Serving routed experts straight from the checkpoint shards, and planning which to fetch next.
+
+K3's routed experts are ~98% of its bytes (MXFP4, U8). `MmapExpertStore` maps each shard once
+(numpy memmap) and hands out zero-copy U8 views at the data offsets of the safetensors header, so a
+decode step touches only the experts the router picked; `.bytes_touched` counts what it handed out.
+`PrefetchPlanner` turns router choices for upcoming tokens into an ordered, de-duplicated fetch list
+(first use first) cut at a byte budget. `kind_from_env` picks a store backend by name.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .weights import CheckpointReader, HeaderEntry, expert_name
+
+PARTS = tuple(f"w{w}_{part}" for w in (1, 2, 3) for part in ("packed", "scale"))
+
+
+class MmapExpertStore:
+    """Routed experts per (layer, expert), served zero-copy from memory-mapped shards.
+
+    get(layer, expert) -> {"w1_packed": u8 [I, L/2], "w1_scale": u8 [I, L/32], "w2_packed": u8 [L, I/2],
+    "w2_scale": u8 [L, I/32], "w3_packed", "w3_scale"}: read-only views into the shard memmaps.
+    """
+
+    name = "mmap"
+
+    def __init__(self, source: str | os.PathLike | CheckpointReader):
+        self.reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+        self._maps: dict[Path, np.memmap] = {}
+        self.bytes_touched = 0
+        self.gets = 0
+
+    def _entries(self, layer: int, expert: int) -> dict[str, HeaderEntry]:
+        out = {}
+        for part in PARTS:
+            w, kind = part.split("_")
+            name = expert_name(layer, expert, int(w[1]), kind)
+            h = self.reader.entries.get(name)
+            if h is None:
+                raise KeyError(f"routed expert tensor {name!r} is not in {self.reader.directory} "
+                               f"(is layer {layer} a MoE layer, expert {expert} < n_routed_experts?)")
+            if h.dtype != "U8":
+                raise ValueError(f"{name}: expected U8 MXFP4 bytes, found {h.dtype}")
+            out[part] = h
+        return out
+
+    def _map(self, path: Path) -> np.memmap:
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        return self._maps[path]
+
+    def get(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """The six U8 tensors of one routed expert, as views of the shard memmap (no copy)."""
+        out = {}
+        for part, h in self._entries(layer, expert).items():
+            out[part] = self._map(h.path)[h.begin:h.end].reshape(h.shape)
+            self.bytes_touched += h.end - h.begin
+        self.gets += 1
+        return out
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        """Bytes of one routed expert (all six tensors), from the header alone."""
+        return sum(h.end - h.begin for h in self._entries(layer, expert).values())
+
+
+class ReaderExpertStore(MmapExpertStore):
+    """The same interface through CheckpointReader (safetensors copies): a baseline for the mmap store."""
+
+    name = "reader"
+
+    def get(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        out = {}
+        for part, h in self._entries(layer, expert).items():
+            out[part] = self.reader[expert_name(layer, expert, int(part[1]), part.split("_")[1])]
+            self.bytes_touched += h.end - h.begin
+        self.gets += 1
+        return out
+
+
+BACKENDS: dict[str, type[MmapExpertStore]] = {"mmap": MmapExpertStore, "reader": ReaderExpertStore}
+
+
+def kind_from_env(var: str = "K3_EXPERT_BACKEND", default: str = "mmap") -> type[MmapExpertStore]:
+    """The expert store class named by environment variable `var` (unset or empty: `default`)."""
+    kind = os.environ.get(var) or default
+    try:
+        return BACKENDS[kind]
+    except KeyError:
+        raise ValueError(f"{var}={kind!r}: unknown expert backend; known: {sorted(BACKENDS)}") from None
+
+
+class PrefetchPlanner:
+    """Router choices for upcoming tokens -> ordered fetch list (first use first), cut at a byte budget.
+
+    sizes: a store with `.expert_bytes(layer, expert)`, a callable (layer, expert) -> bytes, or one int
+    (every expert the same size). byte_budget: the most bytes the list may add up to.
+    """
+
+    def __init__(self, sizes: MmapExpertStore | Callable[[int, int], int] | int, byte_budget: int):
+        if isinstance(sizes, (int, np.integer)):
+            if sizes <= 0:
+                raise ValueError(f"sizes: expected bytes per expert > 0, found {sizes}")
+            self._size = lambda layer, expert, n=int(sizes): n
+        elif hasattr(sizes, "expert_bytes"):
+            self._size = sizes.expert_bytes
+        elif callable(sizes):
+            self._size = sizes
+        else:
+            raise ValueError(f"sizes: expected a store, a callable or an int, found {type(sizes).__name__}")
+        if byte_budget < 0:
+            raise ValueError(f"byte_budget: expected >= 0, found {byte_budget}")
+        self.byte_budget = int(byte_budget)
+
+    def plan(self, choices: Mapping[int, np.ndarray]) -> list[tuple[int, int]]:
+        """choices: {layer: indices [T, k]} for the next T tokens -> [(layer, expert), ...].
+
+        Order of first use: token by token, within a token layer by layer (ascending), within a layer in
+        router slot order. Each (layer, expert) appears once. The list stops before the first entry that
+        would push the total past byte_budget (later, smaller entries are not pulled forward: the order
+        is the order the decode will need them).
+        """
+        T = None
+        arrays = {}
+        for layer, idx in choices.items():
+            a = np.asarray(idx)
+            if a.ndim != 2 or a.dtype.kind not in "iu":
+                raise ValueError(f"choices[{layer}]: expected integer indices [T, k], found {a.dtype} {a.shape}")
+            if T is not None and a.shape[0] != T:
+                raise ValueError(f"choices[{layer}]: expected T={T} tokens like the other layers, found {a.shape[0]}")
+            T = a.shape[0]
+            arrays[int(layer)] = a
+        order, seen = [], set()
+        for t in range(T or 0):
+            for layer in sorted(arrays):
+                for e in arrays[layer][t]:
+                    key = (layer, int(e))
+                    if key not in seen:
+                        seen.add(key)
+                        order.append(key)
+        out, total = [], 0
+        for key in order:
+            size = self._size(*key)
+            if total + size > self.byte_budget:
+                break
+            out.append(key)
+            total += size
+        return out

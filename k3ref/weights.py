@@ -1,0 +1,593 @@
+"""The K3 weight inventory, synthetic weights and checkpoints, a lazy checkpoint reader, and admission.
+
+- `inventory(cfg)`: every text tensor of the published checkpoint (DESIGN.md section 7) as
+  TensorSpec(name, shape, dtype) with dtype "BF16" / "F32" / "U8"; K3 holds 497,052 of them.
+- `synthetic_weights(cfg, seed)`: deterministic weights whose activations stay O(1) through the model;
+  floats already rounded to what the checkpoint stores (bf16 / float32), so a checkpoint round trip is exact.
+- `synthetic_checkpoint(cfg, seed, out_dir)`: sharded safetensors + index.json + config.json.
+- `CheckpointReader(dir)`: a lazy Mapping[name -> ndarray] over the shards (bf16 returned as float32).
+- `admit_checkpoint(dir, cfg)`: reads only the headers; reports every missing, unexpected, misshaped and
+  mistyped tensor, and index entries pointing at absent shards, in one Verdict.
+
+A safetensors file is: 8-byte little-endian header length n, n bytes of JSON header
+{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data buffer
+(offsets relative to byte 8 + n).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import struct
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .config import K3Config
+
+TEXT_PREFIX = "language_model.model."
+LM_HEAD = "language_model.lm_head.weight"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
+# Every dtype a safetensors header may name, with its item size (admission reads foreign files too).
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
+                        "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8,
+                        "F64": 8}
+_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight_(packed|scale)$")
+MAX_HEADER_BYTES = 1 << 30   # a header larger than this is a corrupt length field, not a real header
+
+
+class TensorSpec(NamedTuple):
+    """One checkpoint tensor: full name, shape, dtype string ("BF16", "F32", "U8"). (A NamedTuple: K3 has
+    half a million of them.)"""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, corrupt header, bad JSON); the message names it."""
+
+
+def layer_prefix(layer: int) -> str:
+    """Full-name prefix of layer `layer` (0-indexed): `language_model.model.layers.{layer}.`."""
+    return f"{TEXT_PREFIX}layers.{layer}."
+
+
+def expert_name(layer: int, expert: int, w: int, part: str) -> str:
+    """Full name of a routed-expert tensor: w in {1, 2, 3}, part in {"packed", "scale"}."""
+    return f"{layer_prefix(layer)}block_sparse_moe.experts.{expert}.w{w}.weight_{part}"
+
+
+def is_routed_expert(name: str) -> bool:
+    """True for `...block_sparse_moe.experts.{E}.w{1,2,3}.weight_{packed,scale}`."""
+    return ".experts." in name and _EXPERT_RE.search(name) is not None
+
+
+def parameter_count(spec: TensorSpec) -> int:
+    """Logical weights in a tensor: MXFP4 packed bytes hold 2 each, E8M0 scales hold none."""
+    if spec.name.endswith(".weight_packed"):
+        return 2 * spec.numel
+    if spec.name.endswith(".weight_scale"):
+        return 0
+    return spec.numel
+
+
+# ----- inventory -----
+
+def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
+    """The tensors of layer i, full names, in checkpoint order (norms, mixer, MLP)."""
+    p = layer_prefix(i)
+    D = cfg.hidden_size
+    out = [TensorSpec(p + n, (D,), "BF16") for n in
+           ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attention_res_norm.weight",
+            "mlp_res_norm.weight")]
+    out += [TensorSpec(p + n, (1, D), "BF16") for n in ("self_attention_res_proj.weight", "mlp_res_proj.weight")]
+    a = p + "self_attn."
+    if cfg.is_mla(i):
+        H, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        out += [
+            TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, D), "BF16"),
+            TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "BF16"),
+            TensorSpec(a + "q_b_proj.weight", (H * qk, cfg.q_lora_rank), "BF16"),
+            TensorSpec(a + "kv_a_proj_with_mqa.weight", (R + P, D), "BF16"),
+            TensorSpec(a + "kv_a_layernorm.weight", (R,), "BF16"),
+            TensorSpec(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + V), R), "BF16"),
+            TensorSpec(a + "g_proj.weight", (H * V, D), "BF16"),
+            TensorSpec(a + "o_proj.weight", (D, H * V), "BF16"),
+        ]
+    else:
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        HK, W = H * K, cfg.short_conv_kernel_size
+        out += [TensorSpec(a + f"{x}_proj.weight", (HK, D), "BF16") for x in "qkv"]
+        out += [TensorSpec(a + f"{x}_conv1d.weight", (HK, 1, W), "F32") for x in "qkv"]
+        out += [
+            TensorSpec(a + "A_log", (cfg.a_log_size,), "F32"),
+            TensorSpec(a + "dt_bias", (HK,), "F32"),
+            TensorSpec(a + "f_a_proj.weight", (K, D), "BF16"),
+            TensorSpec(a + "f_b_proj.weight", (HK, K), "BF16"),
+            TensorSpec(a + "b_proj.weight", (H, D), "BF16"),
+        ]
+        if cfg.use_full_rank_gate:
+            out.append(TensorSpec(a + "g_proj.weight", (HK, D), "BF16"))
+        else:
+            out += [TensorSpec(a + "g_a_proj.weight", (K, D), "BF16"),
+                    TensorSpec(a + "g_b_proj.weight", (HK, K), "BF16")]
+        out += [TensorSpec(a + "o_norm.weight", (K,), "F32"), TensorSpec(a + "o_proj.weight", (D, HK), "BF16")]
+    if cfg.mlp_is_dense(i):
+        m, I = p + "mlp.", cfg.intermediate_size
+        out += [TensorSpec(m + "gate_proj.weight", (I, D), "BF16"), TensorSpec(m + "up_proj.weight", (I, D), "BF16"),
+                TensorSpec(m + "down_proj.weight", (D, I), "BF16")]
+    else:
+        m, E, Lt, I = p + "block_sparse_moe.", cfg.n_routed_experts, cfg.routed_expert_hidden_size, \
+            cfg.moe_intermediate_size
+        S = cfg.shared_intermediate_size
+        out += [TensorSpec(m + "gate.weight", (E, D), "BF16"),
+                TensorSpec(m + "gate.e_score_correction_bias", (E,), "F32"),
+                TensorSpec(m + "routed_expert_down_proj.weight", (Lt, D), "BF16")]
+        if cfg.latent_moe_use_norm:
+            out.append(TensorSpec(m + "routed_expert_norm.weight", (Lt,), "BF16"))
+        out.append(TensorSpec(m + "routed_expert_up_proj.weight", (D, Lt), "BF16"))
+        if S:
+            out += [TensorSpec(m + "shared_experts.gate_proj.weight", (S, D), "BF16"),
+                    TensorSpec(m + "shared_experts.up_proj.weight", (S, D), "BF16"),
+                    TensorSpec(m + "shared_experts.down_proj.weight", (D, S), "BF16")]
+        g = 32  # MXFP4 group
+        for e in range(E):
+            for w, (rows, cols) in ((1, (I, Lt)), (2, (Lt, I)), (3, (I, Lt))):
+                out += [TensorSpec(expert_name(i, e, w, "packed"), (rows, cols // 2), "U8"),
+                        TensorSpec(expert_name(i, e, w, "scale"), (rows, cols // g), "U8")]
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _inventory(cfg: K3Config) -> tuple[TensorSpec, ...]:
+    D, Vb = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec(TEXT_PREFIX + "embed_tokens.weight", (Vb, D), "BF16")]
+    for i in range(cfg.num_hidden_layers):
+        specs += _layer_specs(cfg, i)
+    specs += [TensorSpec(TEXT_PREFIX + "norm.weight", (D,), "BF16"),
+              TensorSpec(TEXT_PREFIX + "output_attn_res_norm.weight", (D,), "BF16"),
+              TensorSpec(TEXT_PREFIX + "output_attn_res_proj.weight", (1, D), "BF16")]
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec(LM_HEAD, (Vb, D), "BF16"))
+    return tuple(specs)
+
+
+def inventory(cfg: K3Config) -> list[TensorSpec]:
+    """Every text tensor of `cfg`'s checkpoint, full names, in checkpoint order (DESIGN.md section 7).
+
+    Globals: embed_tokens [V, D], norm [D], output_attn_res_norm [D], output_attn_res_proj [1, D], lm_head [V, D]
+    (absent when tied). Per layer: 4 norms [D] + 2 AttnRes projections [1, D]; KDA (14 tensors) or MLA (8);
+    dense MLP (3) or LatentMoE (8 + 6 per routed expert). K3: 497,052 tensors.
+    """
+    return list(_inventory(cfg))
+
+
+# ----- synthetic weights -----
+
+def _rng(seed: int, key: str) -> np.random.Generator:
+    """A generator per (seed, tensor) so every tensor is reproducible on its own, in any order."""
+    return np.random.default_rng([int(seed), zlib.crc32(key.encode())])
+
+
+def _float_values(spec: TensorSpec, cfg: K3Config, seed: int) -> np.ndarray:
+    """float32 values of a float tensor before rounding to its storage dtype (see synthetic_weights)."""
+    name, shape = spec.name, spec.shape
+    rng = _rng(seed, name)
+
+    def normal(std: float, mean: float = 0.0) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean))
+
+    if name.endswith("A_log"):
+        out = np.zeros(shape, np.float32)
+        out[: cfg.kda_num_heads] = np.log(rng.uniform(1.0, 16.0, cfg.kda_num_heads))
+        return out
+    if name.endswith("conv1d.weight"):
+        return normal(0.5)
+    if name.endswith("dt_bias"):
+        return normal(0.5)
+    if name.endswith("e_score_correction_bias"):
+        return normal(0.05)   # nonzero: it must move the top-k choice, not the weights
+    if name.endswith("_res_proj.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))   # logits ~ N(0, 1): non-uniform but unsaturated mixing
+    if name.endswith("norm.weight"):
+        return normal(0.1, 1.0)
+    if name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    return normal(1.0 / math.sqrt(shape[-1]))   # linear [out, in]: y = W x keeps unit variance
+
+
+def _round(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float32 values to what the checkpoint stores: bf16 (ml_dtypes, RNE) or float32."""
+    if dtype == "BF16":
+        import ml_dtypes
+
+        return values.astype(ml_dtypes.bfloat16)
+    return values.astype(np.float32)
+
+
+class _ExpertQuantizer:
+    """MXFP4 bytes of routed experts: one float matrix per (layer, expert, w), quantised once for both parts."""
+
+    def __init__(self, cfg: K3Config, seed: int):
+        self.cfg, self.seed, self._last = cfg, seed, (None, None)
+
+    def __call__(self, spec: TensorSpec) -> np.ndarray:
+        from .mxfp4 import quantize
+
+        base = spec.name.rsplit(".weight_", 1)[0]
+        if self._last[0] != base:
+            rows, cols = spec.shape[0], spec.shape[1] * (2 if spec.name.endswith("packed") else 32)
+            w = _rng(self.seed, base).standard_normal((rows, cols), dtype=np.float32) / np.float32(math.sqrt(cols))
+            self._last = (base, quantize(w))
+        packed, scale = self._last[1]
+        out = packed if spec.name.endswith("packed") else scale
+        if out.shape != spec.shape or out.dtype != np.uint8:
+            raise ValueError(f"{spec.name}: k3ref.mxfp4.quantize gave {out.dtype} {out.shape}, "
+                             f"expected uint8 {spec.shape}")
+        return out
+
+
+def _stored_tensors(cfg: K3Config, seed: int, specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
+    """(spec, array in its storage dtype: bf16 / float32 / uint8) for each spec, deterministic in `seed`."""
+    experts = _ExpertQuantizer(cfg, seed)
+    for spec in specs:
+        if spec.dtype == "U8":
+            yield spec, experts(spec)
+        else:
+            yield spec, _round(_float_values(spec, cfg, seed), spec.dtype)
+
+
+def synthetic_weights(cfg: K3Config, seed: int, dtype=np.float64) -> dict[str, np.ndarray]:
+    """Deterministic weights for every inventory tensor: {full name: ndarray}.
+
+    Float tensors hold values exactly representable in their checkpoint dtype (bf16 / float32), returned
+    in `dtype`; routed experts are U8 MXFP4 bytes (k3ref.mxfp4.quantize of N(0, 1/in) matrices).
+    Scales keep activations O(1) through the model: linear [out, in] ~ N(0, 1/in); embeddings ~ N(0, 1);
+    norms ~ 1 + 0.1 N; AttnRes proj ~ N(0, 1/D) (mixing logits ~ N(0, 1)); router bias ~ N(0, 0.05^2);
+    A_log = log U(1, 16) on the heads, zero padding; conv ~ N(0, 0.5^2); dt_bias ~ N(0, 0.5^2).
+    The K3 preset is far too large to materialise (use inventory / TpPlan for it).
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dtype: expected float32 or float64, found {dtype}")
+    total = sum(t.nbytes for t in inventory(cfg))
+    if total > 8 << 30:
+        raise ValueError(f"synthetic_weights: {cfg.num_parameters():,} parameters ({total / 2**30:.0f} GiB stored) "
+                         "is too large to materialise; use a smaller config (preset 'small' or 'tiny')")
+    return {spec.name: (a if spec.dtype == "U8" else a.astype(dtype))
+            for spec, a in _stored_tensors(cfg, seed, inventory(cfg))}
+
+
+# ----- safetensors I/O -----
+
+def _write_safetensors(path: Path, items: Iterable[tuple[TensorSpec, np.ndarray]], specs: list[TensorSpec],
+                       metadata: dict[str, str]) -> None:
+    """Stream `items` (in `specs` order) into a safetensors file: temp file first, renamed into place."""
+    header: dict = {"__metadata__": metadata}
+    off = 0
+    for s in specs:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
+        off += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)   # data starts 8-byte aligned, as safetensors pads it
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for spec, arr in items:
+            arr = np.ascontiguousarray(arr)
+            if arr.nbytes != spec.nbytes or tuple(arr.shape) != spec.shape:
+                raise ValueError(f"{spec.name}: array {arr.dtype} {arr.shape} does not match {spec}")
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+    os.replace(tmp, path)
+
+
+def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Cut `specs` (in order) into shards of at most shard_bytes data (a bigger tensor gets its own shard)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def synthetic_checkpoint(cfg: K3Config, seed: int, out_dir: str | os.PathLike,
+                         shard_bytes: int = 1 << 30) -> Path:
+    """Write `synthetic_weights(cfg, seed)` as a Hugging Face checkpoint directory; returns out_dir.
+
+    Files: model-0000k-of-0000n.safetensors (bf16 via ml_dtypes, F32, U8 as inventoried),
+    model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map": {name: file}}), config.json.
+    Tensors are generated and written one at a time (the `small` checkpoint never sits in memory whole);
+    each file is written to a temp name and renamed into place.
+    """
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes: expected > 0, found {shard_bytes}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = inventory(cfg)
+    shards = _plan_shards(specs, shard_bytes)
+    n = len(shards)
+    weight_map = {}
+    stream = _stored_tensors(cfg, seed, specs)
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+        items = (next(stream) for _ in shard)
+        _write_safetensors(out / fname, items, shard, {"format": "np", "seed": str(seed)})
+        weight_map.update({s.name: fname for s in shard})
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    tmp = out / (INDEX_FILE + ".tmp")
+    tmp.write_text(json.dumps(index, indent=2) + "\n")
+    os.replace(tmp, out / INDEX_FILE)
+    cfg.save(out / "config.json")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderEntry:
+    """Where one tensor lives: file, dtype string, shape, absolute byte range [begin, end) in the file."""
+
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: str | os.PathLike) -> dict[str, HeaderEntry]:
+    """Parse and check one safetensors header; raises CheckpointError naming the file on any defect.
+
+    Checks: file >= 8 bytes; the header length fits in the file; the header is a JSON object; each entry has a
+    known dtype, an int shape, and data_offsets [b, e] with e - b = numel * itemsize inside the file.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, a safetensors file starts with an "
+                                      "8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(f"{path}: bad header length {n}: the file holds {size} bytes "
+                                      "(truncated or not a safetensors file)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    data0 = 8 + n
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {h!r} ({err})") from None
+        if dtype not in SAFETENSORS_ITEMSIZE:
+            raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
+        want = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+        if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e and e - b == want):
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[b, e]} do not hold {dtype} {list(shape)} "
+                                  f"({want} bytes)")
+        if data0 + e > size:
+            raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {data0 + e}, past the end of the "
+                                  f"file ({size} bytes): truncated shard")
+        out[name] = HeaderEntry(path, dtype, shape, data0 + b, data0 + e)
+    return out
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory (expected a checkpoint folder with *.safetensors)")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors shards found "
+                              "(write one with k3ref.weights.synthetic_checkpoint)")
+    return files
+
+
+class CheckpointReader(Mapping):
+    """Lazy Mapping[full name -> ndarray] over the safetensors shards of a checkpoint directory.
+
+    Headers are read (and checked) up front; tensor data only on access, via safetensors `safe_open`
+    (framework "numpy"). bf16 tensors come back as float32 (exact); F32 and U8 as stored.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.entries: dict[str, HeaderEntry] = {}
+        for f in _shard_files(self.directory):
+            for name, h in read_header(f).items():
+                if name in self.entries:
+                    raise CheckpointError(f"{f}: tensor {name!r} is also in {self.entries[name].path.name}")
+                self.entries[name] = h
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[path] = safe_open(str(path), framework="numpy")
+        return self._handles[path]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        h = self.entries.get(name)
+        if h is None:
+            raise KeyError(f"{name!r} is not in the checkpoint {self.directory}")
+        arr = self._handle(h.path).get_tensor(name)
+        return arr.astype(np.float32) if h.dtype == "BF16" else arr
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, name) -> bool:
+        return name in self.entries
+
+    def dtype_of(self, name: str) -> str:
+        """The stored dtype string ("BF16", "F32", "U8", ...)."""
+        return self.entries[name].dtype
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+
+# ----- admission -----
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One admission problem. kind: missing | unexpected | shape | dtype | duplicate | index."""
+
+    kind: str
+    name: str
+    expected: str = ""
+    found: str = ""
+
+    def __str__(self) -> str:
+        detail = f": expected {self.expected}, found {self.found}" if self.expected or self.found else ""
+        return f"{self.kind:<10} {self.name}{detail}"
+
+
+PROBLEM_KINDS = ("missing", "unexpected", "shape", "dtype", "duplicate", "index")
+
+
+@dataclasses.dataclass
+class Verdict:
+    """The outcome of admit_checkpoint: every problem found, plus what was checked."""
+
+    directory: Path
+    config_name: str
+    n_expected: int
+    n_found: int
+    n_files: int
+    n_ignored: int = 0
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def by_kind(self) -> dict[str, list[Problem]]:
+        out: dict[str, list[Problem]] = {k: [] for k in PROBLEM_KINDS}
+        for p in self.problems:
+            out.setdefault(p.kind, []).append(p)
+        return out
+
+    def summary(self, limit: int = 20) -> str:
+        """Human-readable verdict: the counts, then up to `limit` problems of each kind."""
+        head = (f"{self.directory}: {self.n_found} text tensors in {self.n_files} shard(s), "
+                f"{self.n_expected} expected for {self.config_name}")
+        if self.n_ignored:
+            head += f" ({self.n_ignored} non-text tensors ignored)"
+        if self.ok:
+            return f"ADMITTED  {head}"
+        groups = {k: v for k, v in self.by_kind().items() if v}
+        counts = ", ".join(f"{len(v)} {k}" for k, v in groups.items())
+        lines = [f"REJECTED  {head}", f"{len(self.problems)} problem(s): {counts}"]
+        for probs in groups.values():
+            lines += [f"  {p}" for p in probs[:limit]]
+            if len(probs) > limit:
+                lines.append(f"  ... and {len(probs) - limit} more {probs[0].kind}")
+        return "\n".join(lines)
+
+
+def _config_label(cfg: K3Config) -> str:
+    for name in ("k3", "small", "tiny"):
+        if cfg == K3Config.preset(name):
+            return f"config {name!r}"
+    return f"config ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})"
+
+
+def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: bool = True) -> Verdict:
+    """Check a checkpoint directory against inventory(cfg), reading only the safetensors headers.
+
+    Reports, all at once: missing, unexpected, misshaped and mistyped tensors, tensors in two shards, and
+    index.json entries that point at absent shards or at a shard not holding the tensor. With text_only,
+    tensors outside `language_model.` (the vision tower) are counted and ignored.
+    Raises CheckpointError (naming the file) for a truncated or corrupt shard or index.
+    """
+    directory = Path(directory)
+    files = _shard_files(directory)
+    found: dict[str, HeaderEntry] = {}
+    problems: list[Problem] = []
+    ignored = 0
+    for f in files:
+        for name, h in read_header(f).items():
+            if text_only and not name.startswith("language_model."):
+                ignored += 1
+                continue
+            if name in found:
+                problems.append(Problem("duplicate", name, found[name].path.name, f.name))
+                continue
+            found[name] = h
+    expected = {s.name: s for s in inventory(cfg)}
+    for name, spec in expected.items():
+        h = found.get(name)
+        if h is None:
+            problems.append(Problem("missing", name, f"{spec.dtype} {list(spec.shape)}", "absent"))
+            continue
+        if h.shape != spec.shape:
+            problems.append(Problem("shape", name, str(list(spec.shape)), str(list(h.shape))))
+        if h.dtype != spec.dtype:
+            problems.append(Problem("dtype", name, spec.dtype, h.dtype))
+    problems += [Problem("unexpected", name, "absent", f"{h.dtype} {list(h.shape)} in {h.path.name}")
+                 for name, h in found.items() if name not in expected]
+    problems += _index_problems(directory, found, text_only)
+    return Verdict(directory, _config_label(cfg), len(expected), len(found), len(files), ignored, problems)
+
+
+def _index_problems(directory: Path, found: Mapping[str, HeaderEntry], text_only: bool) -> list[Problem]:
+    """index.json entries naming a shard that is absent or that does not hold the tensor."""
+    path = directory / INDEX_FILE
+    if not path.exists():
+        return []
+    try:
+        wm = json.loads(path.read_text())["weight_map"]
+        if not isinstance(wm, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable index ({type(e).__name__}: {e})") from e
+    out = []
+    absent: dict[str, int] = {}
+    for name, fname in wm.items():
+        if text_only and not name.startswith("language_model."):
+            continue
+        if not (directory / fname).is_file():
+            absent[fname] = absent.get(fname, 0) + 1
+        elif name in found and found[name].path.name != fname:
+            out.append(Problem("index", name, f"in {fname} (index.json)", f"in {found[name].path.name}"))
+        elif name not in found:
+            out.append(Problem("index", name, f"in {fname} (index.json)", "absent from that shard"))
+    out += [Problem("index", fname, "a shard file (index.json maps tensors to it)", f"absent ({k} tensors)")
+            for fname, k in sorted(absent.items())]
+    return out
