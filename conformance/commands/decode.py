@@ -1,0 +1,58 @@
+"""`k3conf decode`: greedy decode on the CPU reference (synthetic weights or a checkpoint)."""
+from __future__ import annotations
+
+import sys
+
+from ..cli import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("decode", help="greedy decode with the NumPy reference model")
+    p.add_argument("--config", default="tiny", help="preset name (tiny, small, k3) or a config.json path")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: synthetic weights)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.set_defaults(func=run)
+
+
+def load_config(spec: str):
+    """A preset name or a path to a config.json; UsageError when neither works."""
+    from pathlib import Path
+
+    from k3ref.config import K3Config
+
+    try:
+        return K3Config.from_json(spec) if Path(spec).exists() else K3Config.preset(spec)
+    except (ValueError, KeyError, OSError) as e:
+        raise UsageError(f"--config {spec!r}: {e}") from None
+
+
+def run(args) -> int:
+    import numpy as np
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from k3ref.cpu_forward import K3CpuModel
+    from k3ref.greedy import greedy_decode
+
+    try:
+        prompt = [int(t) for t in args.prompt.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt: expected comma-separated integers, found {args.prompt!r}") from None
+    cfg = load_config(args.config)
+    if cfg.num_parameters() > 2e9 and not args.checkpoint:
+        raise UsageError(f"--config {args.config}: {cfg.num_parameters() / 1e9:.0f}B parameters is too large to "
+                         "synthesise on the CPU; use tiny or small, or give --checkpoint")
+    dtype = np.dtype(args.dtype)
+    try:
+        model = (K3CpuModel.from_checkpoint(args.checkpoint, cfg, dtype) if args.checkpoint
+                 else K3CpuModel.synthetic(cfg, args.seed, dtype))
+        with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
+            task = bar.add_task("decoding", total=args.max_new)
+            result = greedy_decode(model, prompt, args.max_new, on_token=lambda _t: bar.advance(task))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(",".join(map(str, result.tokens)))
+    return 0

@@ -1,0 +1,222 @@
+"""The K3 host graph on the CPU: one layer, one token, a prefill — written once against `Cores`.
+
+Layer l (DESIGN.md section 3), with the per-token Block AttnRes state `hub` (completed blocks + prefix):
+
+    h = hub.mixer_input(l)              # AttnRes over blocks + [prefix]; opens a block at l % block_size == 0
+    a = Mixer(RMSNorm(h))               # KDA or gated NoPE MLA
+    m = hub.mlp_input()  after prefix += a
+    f = MLP(RMSNorm(m))                 # dense SiTU MLP (layer 0) or Stable LatentMoE
+    prefix += f
+    logits = lm_head(RMSNorm(AttnRes over blocks + [prefix]))   # after the last layer
+
+Prefill (T tokens of one sequence) runs KDA in the chunked form and MLA in the expanded form; decode runs
+the recurrent KDA step and absorbed MLA over the paged cache. The two paths are independent forms of the
+same model, so greedy decode == recomputing the whole sequence checks both.
+Every heavy step goes through `cores`, so the runner can swap one kernel in at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._check import require
+from .cache import HybridCache
+from .cores import Cores, reference_cores
+from .cpu_weights import LM_HEAD, TEXT_PREFIX, ModuleView, layer_prefix
+from .layer import K3Graph, MixerKind, MlpKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    """Levers that change the model on purpose (for ablation studies; production = the defaults).
+
+    attnres_mix: 1 = Block AttnRes as trained, 0 = the plain residual stream (sum of the sources).
+    """
+
+    attnres_mix: float = 1.0
+
+    def __post_init__(self):
+        require(math.isfinite(self.attnres_mix), f"attnres_mix: expected a finite number, found {self.attnres_mix}")
+
+
+PRODUCTION = Ablation()
+
+
+class K3CpuModel:
+    """A K3 config plus its weights (any Mapping of full checkpoint names), computing in `dtype`."""
+
+    def __init__(self, cfg, weights: Mapping, dtype=np.float64):
+        require(np.dtype(dtype) in (np.float32, np.float64), f"dtype: expected float32 or float64, found {dtype}")
+        self.cfg = cfg
+        self.weights = weights
+        self.dtype = np.dtype(dtype)
+        self.graph = K3Graph.from_config(cfg)
+        self.kda_cfg = cfg.kda_config()
+        self.mla_cfg = cfg.mla_config()
+        self.moe_cfg = cfg.moe_config()
+        self._cast: dict = {}
+
+    @classmethod
+    def synthetic(cls, cfg, seed: int = 0, dtype=np.float64) -> "K3CpuModel":
+        """Deterministic synthetic weights (k3ref.weights.synthetic_weights)."""
+        from .weights import synthetic_weights
+
+        return cls(cfg, synthetic_weights(cfg, seed), dtype)
+
+    @classmethod
+    def from_checkpoint(cls, path, cfg=None, dtype=np.float32) -> "K3CpuModel":
+        """Lazy, memory-mapped weights from a Hugging Face style checkpoint directory."""
+        from pathlib import Path
+
+        from .config import K3Config
+        from .weights import CheckpointReader
+
+        cfg = cfg if cfg is not None else K3Config.from_json(Path(path) / "config.json")
+        return cls(cfg, CheckpointReader(path), dtype)
+
+    def layer(self, i: int) -> ModuleView:
+        require(0 <= i < self.cfg.num_hidden_layers, f"layer: expected 0..{self.cfg.num_hidden_layers - 1}, found {i}")
+        return ModuleView(self.weights, layer_prefix(i), self.dtype, self._cast)
+
+    def globals(self) -> ModuleView:
+        return ModuleView(self.weights, TEXT_PREFIX, self.dtype, self._cast)
+
+    def lm_head(self) -> np.ndarray:
+        return ModuleView(self.weights, "", self.dtype, self._cast)[LM_HEAD]
+
+    def new_cache(self, num_pages: int = 64, page_size: int = 64) -> HybridCache:
+        return HybridCache(self.cfg, num_pages=num_pages, page_size=page_size, dtype=self.dtype)
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """What every layer of one forward call shares: the model, the cores, the mode and the sequence."""
+
+    model: K3CpuModel
+    cores: Cores
+    seq: int = 0
+    prefill: bool = False
+    ablation: Ablation = PRODUCTION
+
+
+def embed(model: K3CpuModel, tokens) -> np.ndarray:
+    """Token ids [T] -> embeddings [T, D] (in the model's dtype)."""
+    ids = np.asarray(tokens)
+    require(ids.ndim == 1 and ids.dtype.kind in "iu", f"tokens: expected a 1-D integer array, found {ids.dtype} {ids.shape}")
+    V = model.cfg.vocab_size
+    require(bool(np.all((ids >= 0) & (ids < V))), f"tokens: expected ids in [0, {V}), found {ids.min()}..{ids.max()}")
+    return model.globals()["embed_tokens.weight"][ids]
+
+
+def _mixer(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridCache) -> np.ndarray:
+    """KDA or MLA over x [T, D] for sequence ctx.seq; updates that layer's cache."""
+    from .kda import kda_decode_token, kda_prefill
+    from .mla import gated_mla_attend, mla_decode_token, mla_project
+
+    m, w = ctx.model, ctx.model.layer(layer).sub("self_attn.")
+    if m.graph.layers[layer].mixer == MixerKind.KDA:
+        state = cache.kda_state(layer, ctx.seq)
+        if ctx.prefill:
+            y, state = kda_prefill(w, x[None], state, m.kda_cfg, cores=ctx.cores)
+            y = y[0]
+        else:
+            y, state = kda_decode_token(w, x, state, m.kda_cfg, cores=ctx.cores)
+        cache.set_kda_state(layer, ctx.seq, state)
+        return y
+    kv = cache.mla[layer]
+    if not ctx.prefill:
+        return mla_decode_token(w, x, kv, [ctx.seq], m.mla_cfg, cores=ctx.cores)
+    require(int(kv.seq_lens([ctx.seq])[0]) == 0,
+            f"prefill of sequence {ctx.seq} at layer {layer}: expected an empty cache (continue with decode steps)")
+    _, _, c, k_pe, _ = mla_project(w, x, m.mla_cfg)
+    for row in np.concatenate([c, k_pe], axis=-1):
+        kv.append([ctx.seq], row[None])
+    return gated_mla_attend(w, x, m.mla_cfg)
+
+
+def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
+    """Dense SiTU MLP or Stable LatentMoE over x [T, D]."""
+    from .latent_moe import latent_moe_forward
+    from .situ import situ_glu_vec
+
+    m, w = ctx.model, ctx.model.layer(layer)
+    if m.graph.layers[layer].mlp == MlpKind.DENSE:
+        d = w.sub("mlp.")
+        return situ_glu_vec(x, d["gate_proj.weight"], d["up_proj.weight"], d["down_proj.weight"],
+                            beta=m.cfg.situ_beta, linear_beta=m.cfg.situ_linear_beta, cores=ctx.cores)
+    return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=ctx.cores)
+
+
+def forward_one_layer(ctx: ForwardContext, layer: int, hidden, cache: HybridCache, cores: Cores | None = None):
+    """Run layer `layer` on the AttnRes state `hidden` (an AttnResHub over [T, D] arrays).
+
+    Updates `hidden` and `cache` in place and returns (hidden, cache, record); record holds the layer's
+    intermediates in the order they are computed (h, x_mixer, a, m, x_mlp, f), which is how the runner
+    names the first tensor (and so the first block) that goes wrong.
+    """
+    if cores is not None:
+        ctx = dataclasses.replace(ctx, cores=cores)
+    w, eps, mix = ctx.model.layer(layer), ctx.model.cfg.rms_norm_eps, ctx.ablation.attnres_mix
+    rec: dict[str, np.ndarray] = {}
+    rec["h"] = hidden.mixer_input(layer, w["self_attention_res_proj.weight"], w["self_attention_res_norm.weight"],
+                                  mix=mix, cores=ctx.cores)
+    rec["x_mixer"] = ctx.cores.rmsnorm(rec["h"], w["input_layernorm.weight"], eps)
+    rec["a"] = _mixer(ctx, layer, rec["x_mixer"], cache)
+    hidden.add_mixer(rec["a"])
+    rec["m"] = hidden.mlp_input(w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], mix=mix, cores=ctx.cores)
+    rec["x_mlp"] = ctx.cores.rmsnorm(rec["m"], w["post_attention_layernorm.weight"], eps)
+    rec["f"] = _mlp(ctx, layer, rec["x_mlp"])
+    hidden.add_mlp(rec["f"])
+    return hidden, cache, rec
+
+
+def final_logits(ctx: ForwardContext, hidden) -> np.ndarray:
+    """logits = lm_head(RMSNorm(AttnRes over blocks + [prefix]; norm.weight)) -> [T, vocab]."""
+    g = ctx.model.globals()
+    out = hidden.final_input(g["output_attn_res_proj.weight"], g["output_attn_res_norm.weight"],
+                             mix=ctx.ablation.attnres_mix, cores=ctx.cores)
+    normed = ctx.cores.rmsnorm(out, g["norm.weight"], ctx.model.cfg.rms_norm_eps)
+    return normed @ ctx.model.lm_head().T
+
+
+def forward_tokens(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 0, prefill: bool,
+                   cores: Cores | None = None, ablation: Ablation = PRODUCTION, recorder=None) -> np.ndarray:
+    """Run `tokens` [T] of sequence `seq` through every layer; returns logits [T, vocab].
+
+    prefill=True needs an empty sequence (chunked KDA, expanded MLA); prefill=False takes one token
+    (recurrent KDA, absorbed MLA). recorder(layer, hub_before, record), if given, sees every layer.
+    """
+    cores = cores or reference_cores()
+    tokens = np.atleast_1d(np.asarray(tokens))
+    require(prefill or tokens.shape == (1,), f"decode step: expected one token, found {tokens.shape[0]}")
+    require(not prefill or cache.seq_len(seq) == 0,
+            f"prefill: expected an empty sequence {seq}, found {cache.seq_len(seq)} cached tokens")
+    ctx = ForwardContext(model, cores, seq, prefill, ablation)
+    hub = cores.attnres_hub(model.cfg.attn_res_block_size)
+    hub.start(embed(model, tokens))
+    for spec in model.graph.layers:
+        before = hub.copy() if recorder else None
+        hub, cache, rec = forward_one_layer(ctx, spec.index, hub, cache)
+        if recorder:
+            recorder(spec.index, before, rec)
+    cache.advance(seq, len(tokens))
+    return final_logits(ctx, hub)
+
+
+def forward_token(model: K3CpuModel, token: int, pos: int, cache: HybridCache, *, seq: int = 0,
+                  cores: Cores | None = None, ablation: Ablation = PRODUCTION, recorder=None) -> np.ndarray:
+    """One decode step: token at position `pos` (must equal the tokens already cached) -> logits [vocab]."""
+    have = cache.seq_len(seq)
+    require(pos == have, f"pos: expected {have} (tokens already cached for sequence {seq}), found {pos}")
+    return forward_tokens(model, [token], cache, seq=seq, prefill=False, cores=cores, ablation=ablation,
+                          recorder=recorder)[0]
+
+
+def forward_prefill(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 0, cores: Cores | None = None,
+                    ablation: Ablation = PRODUCTION, recorder=None) -> np.ndarray:
+    """Prefill an empty sequence with `tokens` [T] -> logits [T, vocab]."""
+    return forward_tokens(model, tokens, cache, seq=seq, prefill=True, cores=cores, ablation=ablation,
+                          recorder=recorder)

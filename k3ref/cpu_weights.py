@@ -1,0 +1,66 @@
+"""Weight views for the CPU host graph: checkpoint names in, module-local mappings out.
+
+A model's weights are any Mapping from full checkpoint names (DESIGN.md section 7) to arrays: a dict
+from `k3ref.weights.synthetic_weights`, or a lazy `k3ref.weights.CheckpointReader` over safetensors
+shards. `ModuleView` strips a prefix so the block functions see module-local names (`q_proj.weight`),
+casts float tensors to the compute dtype on first use (cached), and leaves U8 MXFP4 bytes as they are,
+so a routed expert is read and dequantised only when the router selects it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+TEXT_PREFIX = "language_model.model."
+LM_HEAD = "language_model.lm_head.weight"
+
+
+def layer_prefix(layer: int) -> str:
+    """Full-name prefix of layer `layer` (0-indexed)."""
+    return f"{TEXT_PREFIX}layers.{layer}."
+
+
+class ModuleView(Mapping):
+    """Read-only view of `weights` under `prefix`, floats cast to `dtype`, U8 passed through.
+
+    `accessed` records every local name read (the tests use it to prove unselected experts stay untouched).
+    """
+
+    def __init__(self, weights: Mapping, prefix: str, dtype, cache: dict | None = None):
+        self._weights = weights
+        self._prefix = prefix
+        self._dtype = np.dtype(dtype)
+        self._cache = {} if cache is None else cache
+        self.accessed: set[str] = set()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        full = self._prefix + name
+        self.accessed.add(name)
+        hit = self._cache.get(full)
+        if hit is not None:
+            return hit
+        try:
+            raw = self._weights[full]
+        except KeyError:
+            raise KeyError(f"weight {full!r} is missing (module view {self._prefix!r})") from None
+        arr = np.asarray(raw)
+        if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
+            arr = arr.astype(self._dtype, copy=False)
+            # Experts are dequantised per use; dense float weights are cast once and kept.
+            self._cache[full] = arr
+        return arr
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._prefix)
+        return (k[n:] for k in self._weights if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name) -> bool:
+        return (self._prefix + name) in self._weights
+
+    def sub(self, prefix: str) -> "ModuleView":
+        """A view one level down (e.g. `self_attn.`), sharing the cast cache."""
+        return ModuleView(self._weights, self._prefix + prefix, self._dtype, self._cache)

@@ -1,0 +1,175 @@
+"""The host graph: prefill/decode forms agree, caches advance by one token a step, cores are injectable."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from k3ref.cache import HybridCache
+from k3ref.config import K3Config
+from k3ref.cores import reference_cores
+from k3ref.cpu_forward import Ablation, K3CpuModel, forward_prefill, forward_token
+from k3ref.greedy import greedy_decode, greedy_recompute
+from tests.tolerances import rel_rms, tol
+
+PROMPT = [5, 17, 3, 42, 8, 1, 60]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> K3CpuModel:
+    return K3CpuModel.synthetic(K3Config.preset("tiny"), seed=7)
+
+
+def test_tiny_exercises_every_feature(tiny):
+    kinds = [(s.mixer.name, s.mlp.name) for s in tiny.graph.layers]
+    mixers = [m for m, _ in kinds]
+    assert mixers.count("KDA") >= 2 and mixers.count("MLA") >= 2
+    assert mixers[-2:] == ["MLA", "MLA"], "two MLA layers in a row at the end"
+    assert kinds[0][1] == "DENSE" and all(mlp == "LATENT_MOE" for _, mlp in kinds[1:])
+    assert len(tiny.graph.block_starts) >= 3, "layer 0 plus >= 2 more AttnRes block boundaries"
+
+
+def test_greedy_equals_recompute_16_tokens(tiny):
+    cached = greedy_decode(tiny, PROMPT, 16)
+    again = greedy_recompute(tiny, PROMPT, 16)
+    assert cached.tokens == again.tokens
+    assert rel_rms(cached.logits, again.logits) < tol("fp64_long_recurrence")
+    assert len(set(cached.tokens)) > 1, "degenerate model: greedy repeats one token"
+
+
+def test_prefill_then_decode_equals_one_prefill(tiny):
+    """Cached decode of the last 3 tokens == prefilling all 10 at once (chunked KDA + expanded MLA)."""
+    tokens = PROMPT + [11, 2, 90]
+    cache = tiny.new_cache()
+    seq = cache.add_sequence()
+    forward_prefill(tiny, PROMPT, cache, seq=seq)
+    stepped = [forward_token(tiny, t, len(PROMPT) + i, cache, seq=seq) for i, t in enumerate(tokens[len(PROMPT):])]
+    full_cache = tiny.new_cache()
+    whole = forward_prefill(tiny, tokens, full_cache, seq=full_cache.add_sequence())
+    assert rel_rms(np.array(stepped), whole[len(PROMPT):]) < tol("fp64_long_recurrence")
+
+
+def test_cache_advances_one_token_per_step(tiny):
+    cache = tiny.new_cache()
+    seq = cache.add_sequence()
+    forward_prefill(tiny, PROMPT, cache, seq=seq)
+    assert cache.seq_len(seq) == len(PROMPT)
+    assert all(int(kv.seq_lens([seq])[0]) == len(PROMPT) for kv in cache.mla.values())
+    forward_token(tiny, 4, len(PROMPT), cache, seq=seq)
+    assert all(int(kv.seq_lens([seq])[0]) == len(PROMPT) + 1 for kv in cache.mla.values())
+    assert all(np.any(st.recurrent != 0) for st in cache.kda.values())
+
+
+@pytest.mark.parametrize("pos", [pytest.param(6, id="one-early"), pytest.param(8, id="one-late")])
+def test_decode_position_off_by_one_is_rejected(tiny, pos):
+    cache = tiny.new_cache()
+    seq = cache.add_sequence()
+    forward_prefill(tiny, PROMPT, cache, seq=seq)
+    with pytest.raises(ValueError, match="pos: expected 7"):
+        forward_token(tiny, 1, pos, cache, seq=seq)
+
+
+def test_two_sequences_share_the_cache_independently(tiny):
+    """Interleaved sequences in one HybridCache give the same logits as each alone."""
+    cache = tiny.new_cache()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    forward_prefill(tiny, PROMPT, cache, seq=a)
+    forward_prefill(tiny, PROMPT[:3], cache, seq=b)
+    la = forward_token(tiny, 9, len(PROMPT), cache, seq=a)
+    lb = forward_token(tiny, 9, 3, cache, seq=b)
+    alone = tiny.new_cache()
+    s = alone.add_sequence()
+    forward_prefill(tiny, PROMPT[:3], alone, seq=s)
+    assert rel_rms(lb, forward_token(tiny, 9, 3, alone, seq=s)) < tol("fp64_same_math")
+    assert not np.allclose(la, lb)
+
+
+def test_cores_are_injected_into_every_layer(tiny):
+    calls = []
+
+    def spy_rmsnorm(x, w, eps):
+        calls.append(x.shape)
+        return reference_cores().rmsnorm(x, w, eps)
+
+    cache = tiny.new_cache()
+    forward_prefill(tiny, PROMPT[:2], cache, seq=cache.add_sequence(),
+                    cores=reference_cores().replace(rmsnorm=spy_rmsnorm))
+    # input + post norm per layer, the final norm; the mixers and the MoE normalise through the core too.
+    assert len(calls) >= 2 * tiny.cfg.num_hidden_layers + 1
+
+
+def test_attnres_ablation_changes_the_model(tiny):
+    cache0, cache1 = tiny.new_cache(), tiny.new_cache()
+    plain = forward_prefill(tiny, PROMPT, cache0, seq=cache0.add_sequence(), ablation=Ablation(attnres_mix=0.0))
+    prod = forward_prefill(tiny, PROMPT, cache1, seq=cache1.add_sequence())
+    assert rel_rms(plain, prod) > 1e-3
+
+
+class RecordingWeights(dict):
+    """A weight dict that remembers which names were read."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.read: set[str] = set()
+
+    def __getitem__(self, k):
+        self.read.add(k)
+        return super().__getitem__(k)
+
+
+def test_routed_experts_are_read_only_when_selected(tiny):
+    weights = RecordingWeights(tiny.weights)
+    model = K3CpuModel(tiny.cfg, weights, tiny.dtype)
+    cache = model.new_cache()
+    forward_prefill(model, PROMPT[:1], cache, seq=cache.add_sequence())
+    experts_read = {k.split(".experts.")[1].split(".")[0] + "@" + k.split(".layers.")[1].split(".")[0]
+                    for k in weights.read if ".experts." in k}
+    moe_layers = tiny.cfg.num_hidden_layers - tiny.cfg.first_k_dense_replace
+    # one token: at most top_k experts per MoE layer, never all of them
+    assert len(experts_read) <= tiny.cfg.num_experts_per_tok * moe_layers
+    assert tiny.cfg.num_experts_per_tok < tiny.cfg.n_routed_experts
+
+
+def test_checkpoint_forward_equals_in_memory(tiny, tmp_path):
+    from k3ref.weights import synthetic_checkpoint
+
+    synthetic_checkpoint(tiny.cfg, 7, tmp_path)
+    loaded = K3CpuModel.from_checkpoint(tmp_path, dtype=np.float64)
+    c1, c2 = tiny.new_cache(), loaded.new_cache()
+    a = forward_prefill(tiny, PROMPT, c1, seq=c1.add_sequence())
+    b = forward_prefill(loaded, PROMPT, c2, seq=c2.add_sequence())
+    assert rel_rms(b, a) < tol("fp64_same_math")
+
+
+def test_k3_cache_memory_accounting():
+    cfg = K3Config.preset("k3")
+    cache = HybridCache.__new__(HybridCache)  # accounting needs no allocation of 93 layers of state
+    cache._kda_cfg, cache._mla_cfg = cfg.kda_config(), cfg.mla_config()
+    cache.mla_layers = tuple(i for i in range(93) if cfg.is_mla(i))
+    cache.kda_layers = tuple(i for i in range(93) if not cfg.is_mla(i))
+    assert cache.mla_bytes_per_token(2) == 24 * 1152
+    recurrent, conv = 96 * 128 * 128 * 4, 3 * 96 * 128 * 3 * 4
+    assert cache.kda_bytes_per_sequence(4) == 69 * (recurrent + conv)
+
+
+def test_float32_model_tracks_float64(tiny):
+    m32 = K3CpuModel(tiny.cfg, tiny.weights, np.float32)
+    c1, c2 = tiny.new_cache(), m32.new_cache()
+    a = forward_prefill(tiny, PROMPT, c1, seq=c1.add_sequence())
+    b = forward_prefill(m32, PROMPT, c2, seq=c2.add_sequence())
+    assert b.dtype == np.float32
+    assert rel_rms(b, a) < tol("fp32_model")
+
+
+@pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in (1, 2, 4)])
+def test_simulated_tp_equals_tp1(tiny, tp):
+    from k3ref.tp_forward import tp_forward_prefill
+
+    cfg = tiny.cfg
+    if cfg.kda_num_heads % 4 or cfg.num_attention_heads % 4:
+        cfg = dataclasses.replace(cfg, kda_num_heads=4, num_attention_heads=4)
+    model = K3CpuModel.synthetic(cfg, seed=3)
+    cache = model.new_cache()
+    ref = forward_prefill(model, PROMPT, cache, seq=cache.add_sequence())
+    assert rel_rms(tp_forward_prefill(model, PROMPT, tp), ref) < tol("fp64_same_math")
