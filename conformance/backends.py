@@ -1,0 +1,316 @@
+"""Backends: who supplies the cores a case runs on (docs/interfaces.md, "Backends").
+
+Registry (`k3conf list` shows availability and the reason):
+- `numpy64`    k3ref cores, float64 inputs: exact by construction against the goldens.
+- `numpy32`    k3ref cores, float inputs cast to float32: the fp32 baseline of the gate table.
+- `torch`, `torch-bf16`  conformance.baselines.torch_backend.make_backend(name), imported lazily; skipped
+               with the reason when torch or that module is missing. torch-bf16 is the bf16 baseline.
+- `cuda`       k3cuda.cuda_cores(reference_cores()) when k3cuda.available() says so; skipped otherwise.
+- `mutant:<name>`  numpy64 with one core replaced by a deliberately wrong one from MUTANTS; the mutation
+               tests prove that the runner catches each mistake and names its block first.
+Add a backend with `register_backend(name, factory)` and a mutant with `register_mutant(...)`.
+
+A backend object has `name`, `precision` ("fp64" | "fp32" | "bf16"), `available() -> (bool, reason)`,
+`cores() -> Cores` and `time_core(core, inputs) -> float | None` (median seconds, data resident);
+optionally `copy_bandwidth() -> bytes/s` and `speed_target(block) -> float | None`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from k3ref.cores import Cores, reference_cores
+
+
+@dataclasses.dataclass
+class NumpyBackend:
+    """k3ref's cores at one precision; `time_core` times the core on the CPU."""
+
+    name: str
+    precision: str
+    make_cores: Callable[[], Cores] = reference_cores
+    repeats: int = 3
+
+    def available(self) -> tuple[bool, str]:
+        return True, "k3ref (NumPy)"
+
+    def cores(self) -> Cores:
+        return self.make_cores()
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        """Median wall time of `core(**inputs)` over `repeats` calls after one warm-up call."""
+        fn = getattr(self.cores(), core)
+        fn(**inputs)
+        times = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            fn(**inputs)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def copy_bandwidth(self) -> float:
+        return numpy_copy_bandwidth()
+
+
+_COPY_BW: list[float] = []
+
+
+def numpy_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large np.copyto (read + write counted), measured once per process, best of `repeats`."""
+    if not _COPY_BW:
+        src = np.ones(nbytes // 8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+        _COPY_BW.append(2 * nbytes / best)
+    return _COPY_BW[0]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class LazyBackend:
+    """A backend built on first use by `load()`; unavailable (with the reason) when that fails."""
+
+    name: str
+    precision: str
+    load: Callable[[], object]
+    _inner: object = None
+    _why: str = ""
+
+    def _get(self):
+        if self._inner is None and not self._why:
+            try:
+                self._inner = self.load()
+            except Exception as e:  # noqa: BLE001 - any failure to build means "not here", with the reason
+                self._why = f"{type(e).__name__}: {e}"
+        return self._inner
+
+    def available(self) -> tuple[bool, str]:
+        inner = self._get()
+        if inner is None:
+            return False, self._why
+        return inner.available()
+
+    def cores(self) -> Cores:
+        inner = self._get()
+        if inner is None:
+            raise RuntimeError(f"backend {self.name} is unavailable: {self._why}")
+        return inner.cores()
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        inner = self._get()
+        return None if inner is None else inner.time_core(core, inputs)
+
+    def copy_bandwidth(self) -> float | None:
+        fn = getattr(self._get(), "copy_bandwidth", None)
+        return fn() if fn else None
+
+    def speed_target(self, block: str) -> float | None:
+        fn = getattr(self._get(), "speed_target", None)
+        return fn(block) if fn else None
+
+
+def _torch(name: str) -> Callable[[], object]:
+    def load():
+        importlib.import_module("torch")
+        mod = importlib.import_module("conformance.baselines.torch_backend")
+        return mod.make_backend(name)
+    return load
+
+
+class CudaBackend:
+    """k3cuda's kernels in place of the reference cores they implement (the rest stay k3ref's)."""
+
+    name = "cuda"
+    precision = "fp32"
+
+    def __init__(self):
+        import k3cuda
+        self._k3cuda = k3cuda
+
+    def available(self) -> tuple[bool, str]:
+        fn = getattr(self._k3cuda, "available", None)
+        if fn is None:   # e.g. an editable install made before k3cuda/__init__.py existed: a namespace package
+            where = getattr(self._k3cuda, "__file__", None) or list(getattr(self._k3cuda, "__path__", []))
+            return False, f"k3cuda.available() is missing (k3cuda imported from {where}; reinstall: pip install -e .)"
+        return fn()
+
+    def cores(self) -> Cores:
+        return self._k3cuda.cuda_cores(reference_cores())
+
+    def _module(self, block: str):
+        """k3cuda.<block> when that kernel exists and is enabled, else None."""
+        if block not in self._k3cuda.KERNEL_MODULES or not self._k3cuda.enabled(block):
+            return None
+        return self._k3cuda.kernel_module(block)
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        """Median CUDA-event seconds of the kernel with its inputs uploaded once (k3cuda.<core>.device_launch)."""
+        mod = self._module(core)
+        if mod is None or not hasattr(mod, "device_launch"):
+            return None
+        from k3cuda import runtime
+
+        return runtime.time_fn(mod.device_launch(inputs))
+
+    def copy_bandwidth(self) -> float | None:
+        from k3cuda import runtime
+
+        return runtime.copy_bandwidth()
+
+    def speed_target(self, block: str) -> float | None:
+        """The strictest BenchCase.target_bw_ratio among k3cuda.<block>.bench_cases(), if any."""
+        mod = self._module(block)
+        if mod is None or not hasattr(mod, "bench_cases"):
+            return None
+        targets = [b.target_bw_ratio for b in mod.bench_cases() if b.target_bw_ratio is not None]
+        return max(targets) if targets else None
+
+
+# --------------------------------------------------------------------------------------------------
+# mutants: numpy64 with one deliberately wrong core
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """A known mistake: `make(base) -> Cores` swaps one core of `base`; `block` is where it must show first."""
+
+    block: str
+    description: str
+    make: Callable[[Cores], Cores]
+
+
+def _kda_l2_eps_1e12(base: Cores) -> Cores:
+    """KDA with L2(x) = x / sqrt(sum(x^2) + 1e-12): exact otherwise (k3ref's gate and recurrence)."""
+    from k3ref import kda, ops
+
+    def l2(x):
+        return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-12)
+
+    def prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *, lower_bound=-5.0, scale=None):
+        g = kda.kda_gate(g_raw, A_log, dt_bias, lower_bound)
+        return kda.kda_recurrent(l2(np.asarray(q)), l2(np.asarray(k)), v, g, ops.sigmoid(beta_raw), scale=scale,
+                                 initial_state=state, use_qk_l2norm=False)
+
+    def decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, **kw):
+        o, S = prefill(*(np.asarray(a)[:, None] for a in (q, k, v, g_raw, beta_raw)), A_log, dt_bias, state, **kw)
+        return o[:, 0], S
+
+    return base.replace(kda_decode=decode, kda_prefill=prefill)
+
+
+def _kda_no_lower_bound(base: Cores) -> Cores:
+    def decode(*args, **kw):
+        return base.kda_decode(*args, **{**kw, "lower_bound": None})
+
+    def prefill(*args, **kw):
+        return base.kda_prefill(*args, **{**kw, "lower_bound": None})
+
+    return base.replace(kda_decode=decode, kda_prefill=prefill)
+
+
+def _mla_scale_128(base: Cores) -> Cores:
+    def decode(*args, **kw):
+        return base.mla_decode(*args, **{**kw, "scale": 128 ** -0.5})
+
+    return base.replace(mla_decode=decode)
+
+
+def _router_bias_in_weights(base: Cores) -> Cores:
+    def route(logits, bias, top_k, n_group=1, topk_group=1, renormalize=True, scaling=1.0):
+        _, idx = base.moe_route(logits, bias, top_k, n_group=n_group, topk_group=topk_group,
+                                renormalize=renormalize, scaling=scaling)
+        logits = np.asarray(logits)
+        choice = 1.0 / (1.0 + np.exp(-logits)) + np.asarray(bias, logits.dtype)
+        w = np.take_along_axis(choice, idx, axis=-1)
+        if renormalize:
+            w = w / (np.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return (w * scaling).astype(logits.dtype), idx
+
+    return base.replace(moe_route=route)
+
+
+def _mxfp4_nibbles_swapped(base: Cores) -> Cores:
+    def gemv(packed, scale, x):
+        p = np.asarray(packed)
+        return base.mxfp4_gemv(((p >> 4) | (p << 4)).astype(np.uint8), scale, x)
+
+    return base.replace(mxfp4_gemv=gemv)
+
+
+MUTANTS: dict[str, Mutant] = {
+    "kda-l2-eps-1e-12": Mutant("kda_decode", "KDA L2 norm with eps 1e-12 instead of 1e-6", _kda_l2_eps_1e12),
+    "kda-no-lower-bound": Mutant("kda_decode", "KDA gate without the lower bound (Kimi Linear softplus form)",
+                                 _kda_no_lower_bound),
+    "mla-scale-128": Mutant("mla_decode", "MLA softmax scale 1/sqrt(128) instead of 1/sqrt(192)", _mla_scale_128),
+    "router-bias-in-weights": Mutant("moe_route", "router bias also used for the routing weights",
+                                     _router_bias_in_weights),
+    "mxfp4-nibbles-swapped": Mutant("mxfp4_gemv", "MXFP4 element 2i read from the high nibble",
+                                    _mxfp4_nibbles_swapped),
+}
+
+
+def register_mutant(name: str, block: str, description: str, make: Callable[[Cores], Cores]) -> None:
+    """Add a mutant; `k3conf run --backend mutant:<name>` then runs numpy64 with it."""
+    MUTANTS[name] = Mutant(block, description, make)
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+
+BACKENDS: dict[str, Callable[[], object]] = {
+    "numpy64": lambda: NumpyBackend("numpy64", "fp64"),
+    "numpy32": lambda: NumpyBackend("numpy32", "fp32"),
+    "torch": lambda: LazyBackend("torch", "fp32", _torch("torch")),
+    "torch-bf16": lambda: LazyBackend("torch-bf16", "bf16", _torch("torch-bf16")),
+    "cuda": lambda: LazyBackend("cuda", "fp32", CudaBackend),
+}
+_CACHE: dict[str, object] = {}
+
+
+def register_backend(name: str, factory: Callable[[], object]) -> None:
+    """Add (or replace) a backend; factory() builds it on first use."""
+    BACKENDS[name] = factory
+    _CACHE.pop(name, None)
+
+
+def backend_names() -> list[str]:
+    """Registered names (mutants excluded), in registry order."""
+    return list(BACKENDS)
+
+
+def get_backend(name: str):
+    """The backend called `name` (built once per process); KeyError naming the choices when unknown."""
+    if name in _CACHE:
+        return _CACHE[name]
+    if name.startswith("mutant:"):
+        mutant = MUTANTS.get(name[len("mutant:"):])
+        if mutant is None:
+            raise KeyError(f"unknown mutant {name!r}; known: {['mutant:' + m for m in MUTANTS]}")
+        backend = NumpyBackend(name, "fp64", lambda: mutant.make(reference_cores()))
+    elif name in BACKENDS:
+        backend = BACKENDS[name]()
+    else:
+        raise KeyError(f"unknown backend {name!r}; known: {backend_names()} or mutant:<{'|'.join(MUTANTS)}>")
+    _CACHE[name] = backend
+    return backend
+
+
+def availability() -> list[tuple[str, str, bool, str]]:
+    """(name, precision, available, reason) for every registered backend."""
+    rows = []
+    for name in backend_names():
+        b = get_backend(name)
+        ok, why = b.available()
+        rows.append((name, b.precision, ok, why))
+    return rows

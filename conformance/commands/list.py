@@ -1,0 +1,38 @@
+"""`k3conf list`: the cases, the backends (available here or why not), the mutants and the gate table."""
+from __future__ import annotations
+
+SECTIONS = ("cases", "backends", "mutants", "gates")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("list", help="list cases, backends (with availability), mutants and gates")
+    p.add_argument("what", nargs="*", choices=SECTIONS, help="sections to show (default: all)")
+    p.add_argument("--config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..backends import MUTANTS, availability
+    from ..cases import all_cases
+    from ..gates import GATES
+
+    what = args.what or SECTIONS
+    if "cases" in what:
+        cases = all_cases(args.config)
+        print(f"cases ({args.config}, {len(cases)}):")
+        for c in cases:
+            print(f"  {c.name:48s} kind={c.kind} seed={c.seed}")
+    if "backends" in what:
+        print("backends:")
+        for name, prec, ok, why in availability():
+            print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}")
+    if "mutants" in what:
+        print("mutants (run with --backend mutant:<name>):")
+        for name, m in MUTANTS.items():
+            print(f"  mutant:{name:26s} first failure expected in {m.block}: {m.description}")
+    if "gates" in what:
+        print("gates (block, tensor, precision): cap, k, floor -- reason:")
+        for (block, tensor, prec), g in GATES.items():
+            k = "-" if g.k is None else f"{g.k:g}"
+            print(f"  ({block}, {tensor}, {prec}): cap {g.cap:g}, k {k}, floor {g.floor:g} -- {g.reason}")
+    return 0

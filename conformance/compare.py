@@ -1,0 +1,140 @@
+"""Comparing one output tensor against its float64 golden (DESIGN.md section 5).
+
+`compare(out, ref, atol, rtol)` reports, never raises on a mismatch:
+- max abs error and relative RMS error ||out - ref|| / ||ref|| over the positions where both are finite;
+- the worst index with both values;
+- NaN / +Inf / -Inf position mismatches (FlashMLA's rule: each must sit at the same positions);
+- the share of elements within tolerance, |out - ref| <= atol + rtol |ref| ("N of M passed");
+- a shape or dtype-kind mismatch (reported in `problem`, with the metrics left empty).
+Integer tensors (router indices, ...) are compared exactly: every element must be equal.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+TINY = np.finfo(np.float64).tiny
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The metrics of one (output, reference) pair. `problem` is set when they are not comparable."""
+
+    shape: tuple
+    dtype: str
+    max_abs: float = 0.0
+    rel_rms: float = 0.0
+    worst_index: tuple | None = None
+    worst_out: float | None = None
+    worst_ref: float | None = None
+    n_within: int = 0
+    n_total: int = 0
+    nonfinite_mismatch: dict = dataclasses.field(default_factory=dict)   # "nan"/"+inf"/"-inf" -> count
+    first_nonfinite_mismatch: tuple | None = None
+    exact: bool = False                 # integer tensor: compared for equality
+    problem: str = ""                   # shape / dtype mismatch, or an exact-compare failure summary
+
+    @property
+    def comparable(self) -> bool:
+        return not self.problem or self.exact
+
+    @property
+    def nonfinite_ok(self) -> bool:
+        return not any(self.nonfinite_mismatch.values())
+
+    @property
+    def passed_line(self) -> str:
+        return f"{self.n_within} of {self.n_total} passed"
+
+    def summary(self) -> str:
+        """One line: the metrics, or the problem."""
+        if self.problem and not self.exact:
+            return self.problem
+        parts = [f"max abs {self.max_abs:.3g}", f"rel RMS {self.rel_rms:.3g}", self.passed_line]
+        if self.worst_index is not None and self.max_abs > 0:
+            parts.append(f"worst at {list(self.worst_index)}: out {self.worst_out:.6g} vs ref {self.worst_ref:.6g}")
+        if not self.nonfinite_ok:
+            bad = ", ".join(f"{k} {v}" for k, v in self.nonfinite_mismatch.items() if v)
+            parts.append(f"non-finite mismatch ({bad}) first at {list(self.first_nonfinite_mismatch)}")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        d["worst_index"] = None if self.worst_index is None else list(self.worst_index)
+        d["first_nonfinite_mismatch"] = (None if self.first_nonfinite_mismatch is None
+                                         else list(self.first_nonfinite_mismatch))
+        return d
+
+
+def compare(out, ref, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
+    """Compare `out` (any backend's result) with `ref` (the golden); see the module docstring.
+
+    out, ref: arrays of one shape; floats are compared in float64. atol, rtol: the per-element rule
+    |out - ref| <= atol + rtol * |ref| used only for the "N of M passed" count.
+    """
+    ref = np.asarray(ref)
+    try:
+        out = np.asarray(out)
+    except Exception as e:  # noqa: BLE001 - a backend may return anything; report it
+        return Comparison(ref.shape, str(ref.dtype), problem=f"output is not an array ({type(out).__name__}: {e})")
+    if out.dtype == object or out.dtype.kind not in "fiub":
+        return Comparison(ref.shape, str(ref.dtype), problem=f"dtype: expected a numeric array, found {out.dtype}")
+    if out.shape != ref.shape:
+        return Comparison(ref.shape, str(ref.dtype), problem=f"shape: expected {list(ref.shape)}, found {list(out.shape)}")
+    if ref.dtype.kind in "iub":
+        return _compare_exact(out, ref)
+    if out.dtype.kind in "iub":
+        return Comparison(ref.shape, str(ref.dtype), problem=f"dtype: expected floating (like {ref.dtype}), found {out.dtype}")
+    return _compare_float(out.astype(np.float64), ref.astype(np.float64), atol, rtol, str(ref.dtype))
+
+
+def _compare_exact(out: np.ndarray, ref: np.ndarray) -> Comparison:
+    if out.dtype.kind == "f" and not np.all(np.isfinite(out)):
+        eq = np.zeros(ref.shape, bool)
+    else:
+        eq = out.astype(np.int64) == ref.astype(np.int64)
+    n = int(eq.size)
+    ok = int(eq.sum())
+    worst = worst_out = worst_ref = None
+    problem = ""
+    if ok < n:
+        worst = tuple(int(i) for i in np.argwhere(~eq)[0])
+        worst_out, worst_ref = float(out[worst]), float(ref[worst])
+        problem = f"{n - ok} of {n} elements differ (exact compare); first at {list(worst)}: out {worst_out:g} vs ref {worst_ref:g}"
+    diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+    diff = np.where(np.isfinite(diff), diff, np.inf)
+    return Comparison(ref.shape, str(ref.dtype), max_abs=float(diff.max(initial=0.0)),
+                      rel_rms=0.0 if ok == n else float(n - ok) / n, worst_index=worst, worst_out=worst_out,
+                      worst_ref=worst_ref, n_within=ok, n_total=n, exact=True, problem=problem)
+
+
+def _compare_float(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float, dtype: str) -> Comparison:
+    masks = {
+        "nan": (np.isnan(out), np.isnan(ref)),
+        "+inf": (np.isposinf(out), np.isposinf(ref)),
+        "-inf": (np.isneginf(out), np.isneginf(ref)),
+    }
+    mismatch = {k: int(np.sum(a != b)) for k, (a, b) in masks.items()}
+    bad = np.zeros(ref.shape, bool)
+    for a, b in masks.values():
+        bad |= a != b
+    first = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else None
+    both = np.isfinite(out) & np.isfinite(ref)
+    same_nonfinite = ~np.isfinite(ref) & ~bad
+    with np.errstate(invalid="ignore"):   # inf - inf at matching positions; masked out below
+        diff = np.where(both, np.abs(out - ref), 0.0)
+    within = (both & (diff <= atol + rtol * np.abs(np.where(both, ref, 0.0)))) | same_nonfinite
+    den = max(float(np.linalg.norm(np.where(both, ref, 0.0))), TINY)
+    rel = float(np.linalg.norm(diff) / den)
+    worst = worst_out = worst_ref = None
+    if ref.size:
+        # the worst element: a misplaced non-finite value first, else the largest finite difference
+        flat = int(np.ravel_multi_index(first, ref.shape)) if first is not None else int(np.argmax(diff))
+        worst = tuple(int(i) for i in np.unravel_index(flat, ref.shape))
+        worst_out, worst_ref = float(out[worst]), float(ref[worst])
+    return Comparison(ref.shape, dtype, max_abs=float(diff.max(initial=0.0)), rel_rms=rel, worst_index=worst,
+                      worst_out=worst_out, worst_ref=worst_ref, n_within=int(within.sum()), n_total=int(ref.size),
+                      nonfinite_mismatch=mismatch, first_nonfinite_mismatch=first)
+

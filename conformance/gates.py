@@ -1,0 +1,162 @@
+"""The gate table: ONE table keyed by (block, tensor, precision), a reason for every number.
+
+Accuracy (DESIGN.md section 5):
+- fp64 rows are absolute bounds on the relative RMS error against the float64 golden. The `numpy64`
+  backend runs the very code that wrote the goldens, so it is exact by construction on the machine that
+  generated them; the bound only leaves room for another CPU's BLAS rounding (~1e-16 per operation).
+- fp32 / bf16 rows are baseline-relative, flash-attention's rule, plus an absolute cap:
+      err(backend vs fp64) <= k * err(baseline at the same precision vs fp64) + floor   and   err <= cap
+  with err = relative RMS error. Baselines: fp32 -> "numpy32", bf16 -> "torch-bf16". When the baseline
+  cannot run here, the cap alone applies and the report says so.
+- Integer tensors (router indices) must match exactly at every precision; the data of the cases keeps
+  the router's k-th and (k+1)-th scores apart by more than bf16 rounding, so a flip is a bug.
+- `atol` / `rtol` give the per-element rule behind "N of M passed"; it is reported, the verdict uses the
+  relative RMS error (and, at fp64, requires every element within atol + rtol |ref|).
+
+Speed: ratios measured in one run. bw_ratio = achieved bytes/s over the copy bandwidth measured in the
+same run; time_ratio = time over the baseline backend's time for the same case. CPU rows are report-only
+unless SPEED_TARGETS gives a target; the cuda backend's targets come from its BenchCase.target_bw_ratio.
+
+Look-up falls back from (block, tensor, precision) to (block, "*", precision) to ("*", "*", precision).
+Model-trace cases register their rows with `add_gate` (see docs/runner.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .compare import Comparison
+
+PRECISIONS = ("fp64", "fp32", "bf16")
+BASELINE = {"fp32": "numpy32", "bf16": "torch-bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """One row. fp64: `cap` is the bound. fp32/bf16: bound = min(cap, k * baseline_err + floor)."""
+
+    cap: float            # absolute bound on relative RMS error
+    k: float | None       # multiple of the baseline's error (None at fp64)
+    floor: float          # added to k * baseline_err, so an exact baseline does not demand exactness
+    atol: float           # per-element rule for "N of M passed"
+    rtol: float
+    reason: str
+
+
+_FP64 = "numpy64 = the generator's own float64 code, exact by construction; room for another CPU's BLAS rounding"
+_FP32 = "fp32 inputs and math against the fp64 golden; k=4 leaves room for another summation order than numpy32's"
+_BF16 = "bf16 inputs (2^-9 relative rounding) against the fp64 golden; k=2 over torch-bf16 as in flash-attention"
+
+GATES: dict[tuple[str, str, str], Gate] = {
+    # defaults per precision
+    ("*", "*", "fp64"): Gate(1e-12, None, 0.0, 1e-12, 1e-9, _FP64),
+    ("*", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3, _FP32 + "; cap = ~1e-7/op over <=100 ops"),
+    ("*", "*", "bf16"): Gate(3e-2, 2.0, 2e-3, 1e-2, 5e-2, _BF16 + "; cap = a few bf16 ulps (2^-8) of error"),
+    # KDA: the recurrence carries state over T steps; the chunked prefill uses a WY/UT triangular solve
+    ("kda_prefill", "*", "fp64"): Gate(1e-10, None, 0.0, 1e-10, 1e-8,
+                                       _FP64 + "; chunked WY solve over T<=65 steps reorders sums"),
+    ("kda_prefill", "*", "fp32"): Gate(1e-4, 4.0, 1e-6, 1e-4, 1e-2,
+                                       _FP32 + "; T<=65 recurrent steps plus a triangular solve per chunk"),
+    ("kda_prefill", "*", "bf16"): Gate(5e-2, 2.0, 5e-3, 2e-2, 1e-1,
+                                       _BF16 + "; the state sums T<=65 bf16-rounded rank-1 updates"),
+    # MLA: softmax over up to ~200 cached rows of width 576 in fp32
+    ("mla_decode", "*", "fp32"): Gate(2e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                      _FP32 + "; dot products of length 576 and a softmax over <=200 rows"),
+    # MXFP4: weights are exact codes x powers of two; only x and the accumulation are rounded
+    ("mxfp4_gemv", "*", "bf16"): Gate(2e-2, 2.0, 2e-3, 1e-2, 5e-2,
+                                      _BF16 + "; weights exact (E2M1 x 2^e), x rounded to bf16"),
+    # LatentMoE composite: router + 2 MXFP4 GEMVs per expert + RMSNorm + shared MLP
+    ("latent_moe", "*", "fp32"): Gate(2e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                      _FP32 + "; composite of ~10 steps (router, experts, norm, shared MLP)"),
+    ("latent_moe", "*", "bf16"): Gate(5e-2, 2.0, 5e-3, 2e-2, 1e-1,
+                                      _BF16 + "; composite of ~10 steps, each rounding its inputs"),
+}
+
+# (block, backend) -> (target bw_ratio or None, target time_ratio or None, reason). Absent = report only.
+SPEED_TARGETS: dict[tuple[str, str], tuple[float | None, float | None, str]] = {}
+
+
+def add_gate(block: str, tensor: str, precision: str, gate: Gate) -> None:
+    """Add (or override) a row; used by case kinds that bring their own blocks (e.g. model traces)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, found {precision!r}")
+    GATES[(block, tensor, precision)] = gate
+
+
+def gate_for(block: str, tensor: str, precision: str) -> tuple[tuple[str, str, str], Gate]:
+    """The row that applies to (block, tensor, precision) and its key (most specific first)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, found {precision!r}")
+    for key in ((block, tensor, precision), (block, "*", precision), ("*", "*", precision)):
+        if key in GATES:
+            return key, GATES[key]
+    raise KeyError(f"no gate row for {(block, tensor, precision)}")  # unreachable: defaults exist
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The decision for one compared tensor."""
+
+    passed: bool
+    bound: float          # the relative-RMS bound that applied
+    why: str              # what decided it (the rule, with numbers)
+
+
+def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | None) -> Verdict:
+    """Apply one gate row to one comparison.
+
+    baseline_err: the same-precision baseline's relative RMS error on this tensor, or None when the
+    baseline is unavailable (then the cap alone applies) or at fp64.
+    """
+    if cmp.problem and not cmp.exact:
+        return Verdict(False, gate.cap, cmp.problem)
+    if cmp.exact:
+        ok = not cmp.problem
+        return Verdict(ok, 0.0, "exact match" if ok else cmp.problem)
+    if not cmp.nonfinite_ok:
+        return Verdict(False, gate.cap, "NaN/Inf at positions where the golden has none (or vice versa)")
+    if precision == "fp64" or gate.k is None:
+        bound, rule = gate.cap, f"rel RMS <= {gate.cap:.3g} (fp64 bound)"
+        if cmp.n_within < cmp.n_total:
+            return Verdict(False, bound, f"{cmp.passed_line} within atol {gate.atol:g} + rtol {gate.rtol:g}")
+    elif baseline_err is None:
+        bound, rule = gate.cap, f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} unavailable: cap only)"
+    else:
+        rel = gate.k * baseline_err + gate.floor
+        bound = min(gate.cap, rel)
+        rule = (f"rel RMS <= min(cap {gate.cap:.3g}, {gate.k:g} x baseline {baseline_err:.3g} + {gate.floor:.3g})"
+                f" = {bound:.3g}")
+    ok = cmp.rel_rms <= bound
+    return Verdict(ok, bound, rule)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedResult:
+    """Speed ratios for one (case, backend); `passed` is None when report-only."""
+
+    seconds: float
+    bytes_moved: int
+    bw_ratio: float | None          # achieved bytes/s / copy bytes/s
+    time_ratio: float | None        # seconds / baseline seconds
+    target_bw_ratio: float | None
+    target_time_ratio: float | None
+    passed: bool | None
+    note: str
+
+
+def judge_speed(block: str, backend: str, seconds: float, bytes_moved: int, copy_bw: float | None,
+                baseline_seconds: float | None, target_bw: float | None = None) -> SpeedResult:
+    """Speed ratios and, where a target exists, the verdict.
+
+    target_bw: a target from the backend itself (cuda: BenchCase.target_bw_ratio); SPEED_TARGETS rows win.
+    """
+    bw_ratio = (bytes_moved / seconds) / copy_bw if copy_bw and seconds > 0 else None
+    time_ratio = seconds / baseline_seconds if baseline_seconds else None
+    t_bw, t_time, reason = SPEED_TARGETS.get((block, backend), (target_bw, None, "backend target" if target_bw else ""))
+    checks = []
+    if t_bw is not None and bw_ratio is not None:
+        checks.append(bw_ratio >= t_bw)
+    if t_time is not None and time_ratio is not None:
+        checks.append(time_ratio <= t_time)
+    passed = all(checks) if checks else None
+    note = reason if checks else "report only (no target for this block and backend)"
+    return SpeedResult(seconds, bytes_moved, bw_ratio, time_ratio, t_bw, t_time, passed, note)

@@ -1,0 +1,260 @@
+"""Reports of a run: a rich terminal table, and report.json / report.md / report.html under --report DIR.
+
+Every report names the first failing (case, backend, tensor) at the top. The HTML is self-contained:
+inline CSS and, for cases whose tensors carry a layer index (model traces: `layer03.*`), an inline SVG
+plot of the relative RMS error per layer for each backend — no network, no JavaScript.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .runner import CaseResult, RunReport
+
+
+def _cell(r: CaseResult) -> str:
+    """Short status of one (case, backend): 'pass 3.1e-08' / 'FAIL 2.0e-03>1e-05' / 'ERROR'."""
+    if r.status == "error":
+        return "ERROR"
+    w = r.worst
+    if w is None:
+        return r.status
+    if not w.passed:
+        if w.comparison.problem and not w.comparison.exact:
+            return "FAIL " + w.comparison.problem.split(":")[0]
+        return f"FAIL {w.comparison.rel_rms:.0e}>{w.verdict.bound:.0e}"
+    if r.status == "fail":
+        return "FAIL speed"
+    return f"ok {w.comparison.rel_rms:.0e}"
+
+
+def _grid(report: RunReport) -> tuple[list[str], list[str], dict]:
+    cases, backends, cells = [], [], {}
+    for r in report.results:
+        if r.case not in cases:
+            cases.append(r.case)
+        if r.backend not in backends:
+            backends.append(r.backend)
+        cells[(r.case, r.backend)] = r
+    return cases, backends, cells
+
+
+def print_terminal(report: RunReport, console: Console | None = None) -> None:
+    """The first failure, a case x backend table (worst relative RMS error per cell), skipped backends."""
+    console = console or Console(width=None if _isatty() else 160)
+    style = "bold red" if report.failures else "bold green"
+    console.print(report.first_failure_line(), style=style, highlight=False, soft_wrap=True)
+    cases, backends, cells = _grid(report)
+    table = Table(title=f"k3conf run ({report.config}): worst relative RMS error per case and backend",
+                  title_justify="left")
+    table.add_column("case", no_wrap=True)
+    for b in backends:
+        table.add_column(b, no_wrap=True)
+    for c in cases:
+        row = [c]
+        for b in backends:
+            r = cells.get((c, b))
+            text = "-" if r is None else _cell(r)
+            row.append(f"[{'green' if r is not None and r.status == 'pass' else 'red'}]{text}[/]")
+        table.add_row(*row)
+    console.print(table)
+    for b in report.backends:
+        if not b["available"]:
+            console.print(f"skipped {b['name']}: {b['reason']}", style="yellow", highlight=False)
+    for note in baseline_notes(report):
+        console.print(note, style="yellow", highlight=False)
+    fails = report.failures
+    for r in fails[:20]:
+        console.print(f"  {r.case} on {r.backend}: {_why(r)}", style="red", highlight=False)
+    if len(fails) > 20:
+        console.print(f"  ... and {len(fails) - 20} more (see the report files)", style="red")
+    n_pass = len(report.results) - len(fails)
+    console.print(f"{n_pass} of {len(report.results)} (case, backend) results passed in {report.wall_seconds:.1f} s",
+                  highlight=False)
+
+
+def _isatty() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
+def baseline_notes(report: RunReport) -> list[str]:
+    """One line per precision whose baseline could not run (its rows used the absolute cap alone)."""
+    notes = set()
+    for r in report.results:
+        for t in r.tensors:
+            if t.baseline is not None and t.baseline_err is None and not t.comparison.exact:
+                notes.add(f"baseline {t.baseline} unavailable for {r.precision}: the absolute cap alone applied")
+    return sorted(notes)
+
+
+def _why(r: CaseResult) -> str:
+    if r.status == "error":
+        return r.error
+    t = r.first_failing
+    if t is None:
+        return f"speed: {r.speed.note}" if r.speed else r.status
+    return f"outputs.{t.tensor} (block {t.block}): {t.comparison.summary()} [{t.verdict.why}]"
+
+
+def write_reports(report: RunReport, out_dir: Path) -> list[Path]:
+    """report.json, report.md and report.html under out_dir; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html"]
+    paths[0].write_text(json.dumps(report.to_dict(), indent=1, sort_keys=True, default=_json_default) + "\n")
+    paths[1].write_text(markdown(report))
+    paths[2].write_text(html_report(report))
+    return paths
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def speed_text(sp) -> str:
+    """'35 us, 0.012 of copy bw, 0.73x baseline time[, PASS/FAIL vs target]'."""
+    parts = [f"{sp.seconds * 1e6:.0f} us"]
+    if sp.bw_ratio is not None:
+        parts.append(f"{sp.bw_ratio:.3g} of copy bw")
+    if sp.time_ratio is not None:
+        parts.append(f"{sp.time_ratio:.3g}x baseline time")
+    if sp.passed is not None:
+        parts.append(("PASS" if sp.passed else "FAIL") + f" ({sp.note})")
+    return ", ".join(parts)
+
+
+def markdown(report: RunReport) -> str:
+    """The report as Markdown: first failure, per-result table, skipped backends, gate reasons."""
+    lines = [f"# k3conf run ({report.config})", "", f"**{report.first_failure_line()}**", ""]
+    lines += [f"- skipped `{b['name']}`: {b['reason']}" for b in report.backends if not b["available"]]
+    lines += [f"- {n}" for n in baseline_notes(report)]
+    lines += ["", "| case | backend | status | tensor | max abs | rel RMS | bound | passed | worst (out vs ref) | speed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report.results:
+        sp = "-" if r.speed is None else speed_text(r.speed)
+        if r.status == "error":
+            lines.append(f"| {r.case} | {r.backend} | ERROR | - | - | - | - | - | {r.error.replace('|', '/')} | - |")
+            continue
+        for t in r.tensors:
+            c = t.comparison
+            worst = "-" if c.worst_index is None else f"{list(c.worst_index)}: {c.worst_out:.6g} vs {c.worst_ref:.6g}"
+            lines.append(f"| {r.case} | {r.backend} | {'pass' if t.passed else 'FAIL'} | {t.tensor} | {_fmt(c.max_abs)} | "
+                         f"{_fmt(c.rel_rms)} | {_fmt(t.verdict.bound)} | {c.passed_line} | {worst} | {sp} |")
+    lines += ["", "## Gate rows used", "", "| block | tensor | precision | cap | k | floor | reason |", "|---|---|---|---|---|---|---|"]
+    used = {}
+    for r in report.results:
+        for t in r.tensors:
+            used[tuple(t.gate_key)] = t.gate
+    for key, g in sorted(used.items()):
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {g.cap:g} | {_fmt(g.k)} | {g.floor:g} | {g.reason} |")
+    lines.append(f"\n{len(report.results) - len(report.failures)} of {len(report.results)} passed in "
+                 f"{report.wall_seconds:.1f} s.\n")
+    return "\n".join(lines)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+h1{font-size:1.3em} .first{padding:.6em;border-radius:4px;font-weight:bold}
+.bad{background:#fde2e2;color:#8b0000} .good{background:#e3f6e3;color:#1d5e1d}
+table{border-collapse:collapse;font-size:.85em;margin:1em 0} td,th{border:1px solid #ccc;padding:2px 6px}
+th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold}
+.note{color:#8a6d00} svg{background:#fff;border:1px solid #ddd;margin:.5em 0}"""
+
+
+def html_report(report: RunReport) -> str:
+    """Self-contained HTML (inline CSS, inline SVG per-layer plots; no scripts, no external links)."""
+    e = html.escape
+    cls = "bad" if report.failures else "good"
+    out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>k3conf report</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>k3conf run ({e(report.config)})</h1>",
+           f"<p class='first {cls}'>{e(report.first_failure_line())}</p>"]
+    for b in report.backends:
+        if not b["available"]:
+            out.append(f"<p class='note'>skipped {e(b['name'])}: {e(b['reason'])}</p>")
+    out += [f"<p class='note'>{e(n)}</p>" for n in baseline_notes(report)]
+    out += _layer_plots(report)
+    cases, backends, cells = _grid(report)
+    out.append("<table><tr><th>case</th>" + "".join(f"<th>{e(b)}</th>" for b in backends) + "</tr>")
+    for c in cases:
+        row = f"<tr><td>{e(c)}</td>"
+        for b in backends:
+            r = cells.get((c, b))
+            row += "<td>-</td>" if r is None else f"<td class='{r.status}' title='{e(_why(r))}'>{e(_cell(r))}</td>"
+        out.append(row + "</tr>")
+    out.append("</table>")
+    out.append("<table><tr><th>case</th><th>backend</th><th>tensor</th><th>status</th><th>max abs</th><th>rel RMS</th>"
+               "<th>bound</th><th>passed</th><th>rule</th><th>speed</th></tr>")
+    for r in report.results:
+        if r.status == "error":
+            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='error'>ERROR</td>"
+                       f"<td colspan='6'>{e(r.error)}</td></tr>")
+        for t in r.tensors:
+            c = t.comparison
+            st = "pass" if t.passed else "fail"
+            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>{e(t.tensor)}</td><td class='{st}'>{st}</td>"
+                       f"<td>{_fmt(c.max_abs)}</td><td>{_fmt(c.rel_rms)}</td><td>{_fmt(t.verdict.bound)}</td>"
+                       f"<td>{e(c.passed_line)}</td><td>{e(t.verdict.why)}</td>"
+                       f"<td>{'-' if r.speed is None else e(speed_text(r.speed))}</td></tr>")
+    out.append("</table></body></html>\n")
+    return "\n".join(out)
+
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
+
+
+def _layer_plots(report: RunReport) -> list[str]:
+    """One SVG per case with per-layer tensors: log10 relative RMS error vs layer, one line per backend."""
+    series: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in report.results:
+        for t in r.tensors:
+            if t.layer is not None:
+                cur = series[r.case][r.backend].get(t.layer, 0.0)
+                series[r.case][r.backend][t.layer] = max(cur, t.comparison.rel_rms)
+    return [svg_plot(case, per_backend) for case, per_backend in series.items()]
+
+
+def svg_plot(title: str, per_backend: dict[str, dict[int, float]], width: int = 560, height: int = 240) -> str:
+    """An inline SVG line plot: x = layer, y = log10(rel RMS error) (floored at 1e-18), one line per backend."""
+    pad_l, pad_r, pad_t, pad_b = 48, 110, 24, 30
+    layers = sorted({l for s in per_backend.values() for l in s})
+    ys = [math.log10(max(v, 1e-18)) for s in per_backend.values() for v in s.values()]
+    lo, hi = math.floor(min(ys)), math.ceil(max(ys))
+    hi = hi if hi > lo else lo + 1
+    x0, x1 = layers[0], max(layers[-1], layers[0] + 1)
+
+    def px(l):
+        return pad_l + (l - x0) / (x1 - x0) * (width - pad_l - pad_r)
+
+    def py(y):
+        return pad_t + (hi - y) / (hi - lo) * (height - pad_t - pad_b)
+
+    e = html.escape
+    parts = [f"<svg width='{width}' height='{height}' role='img'>",
+             f"<text x='{pad_l}' y='16' font-size='12'>{e(title)}: relative RMS error per layer</text>"]
+    for y in range(lo, hi + 1):
+        parts.append(f"<line x1='{pad_l}' x2='{width - pad_r}' y1='{py(y):.1f}' y2='{py(y):.1f}' stroke='#eee'/>"
+                     f"<text x='4' y='{py(y) + 4:.1f}' font-size='10'>1e{y}</text>")
+    for l in layers:
+        parts.append(f"<text x='{px(l) - 4:.1f}' y='{height - 10}' font-size='10'>{l}</text>")
+    for i, (backend, s) in enumerate(sorted(per_backend.items())):
+        color = _COLORS[i % len(_COLORS)]
+        pts = " ".join(f"{px(l):.1f},{py(math.log10(max(s[l], 1e-18))):.1f}" for l in sorted(s))
+        parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/>")
+        parts.append(f"<text x='{width - pad_r + 6}' y='{pad_t + 14 * i + 8}' font-size='11' fill='{color}'>{e(backend)}</text>")
+    parts.append("</svg>")
+    return "".join(parts)

@@ -1,0 +1,289 @@
+"""The conformance runner: every case x backend, every output tensor compared with its golden and gated.
+
+    report = run(cases, backend_names, root)      # -> RunReport; report.exit_code is 0 / 1
+
+Per case the golden is read once (a broken golden makes the case an `error` row carrying the regen
+command; the run goes on). Per backend the case's kind runs it, each golden output is compared
+(conformance.compare) and judged by its gate row (conformance.gates). Low-precision rows need the error of
+the same-precision baseline (fp32: numpy32, bf16: torch-bf16) on the same tensor, so the baseline is run
+on the case too (cached) even when it was not asked for; when it cannot run, the cap alone applies and the
+row says so. Speed: each (case, backend) with a timer gets bytes/s over the copy bandwidth measured in the
+same run and its time over the baseline backend's time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from . import gates
+from .backends import get_backend
+from .cases import Case, kind_of
+from .compare import Comparison, compare
+from .goldens import GoldenError, load_manifest, read_golden
+
+TIME_BASELINE = {"fp64": "numpy64", "fp32": "numpy32", "bf16": "torch-bf16"}
+_LAYER = re.compile(r"layer[._-]?(\d+)")
+
+
+@dataclasses.dataclass
+class TensorResult:
+    """One output tensor of one (case, backend): its metrics, the gate row and the verdict."""
+
+    tensor: str
+    block: str
+    comparison: Comparison
+    gate_key: tuple
+    gate: gates.Gate
+    verdict: gates.Verdict
+    baseline: str | None = None          # the baseline backend name, when the row is baseline-relative
+    baseline_err: float | None = None
+    layer: int | None = None             # trace tensors: the layer index (per-layer error plot)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.passed
+
+    def to_dict(self) -> dict:
+        return {
+            "tensor": self.tensor, "block": self.block, "passed": self.passed, "layer": self.layer,
+            "comparison": self.comparison.to_dict(), "gate": {"key": list(self.gate_key), **dataclasses.asdict(self.gate)},
+            "bound": self.verdict.bound, "rule": self.verdict.why,
+            "baseline": self.baseline, "baseline_err": self.baseline_err,
+        }
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """One (case, backend): status pass | fail | error, the tensors, an error message, speed."""
+
+    case: str
+    block: str
+    backend: str
+    precision: str
+    status: str
+    tensors: list[TensorResult] = dataclasses.field(default_factory=list)
+    error: str = ""
+    speed: gates.SpeedResult | None = None
+    seconds: float = 0.0
+
+    @property
+    def first_failing(self) -> TensorResult | None:
+        return next((t for t in self.tensors if not t.passed), None)
+
+    @property
+    def worst(self) -> TensorResult | None:
+        """The tensor with the largest error relative to its bound."""
+        if not self.tensors:
+            return None
+        return max(self.tensors, key=lambda t: (not t.passed, t.comparison.rel_rms / max(t.verdict.bound, 1e-300)))
+
+    def to_dict(self) -> dict:
+        return {
+            "case": self.case, "block": self.block, "backend": self.backend, "precision": self.precision,
+            "status": self.status, "error": self.error, "seconds": self.seconds,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "speed": None if self.speed is None else dataclasses.asdict(self.speed),
+        }
+
+
+@dataclasses.dataclass
+class RunReport:
+    """Everything one `k3conf run` found."""
+
+    config: str
+    backends: list[dict]          # name, precision, available, reason
+    results: list[CaseResult]
+    wall_seconds: float
+    copy_bandwidth: dict          # backend -> bytes/s measured in this run
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [r for r in self.results if r.status != "pass"]
+
+    @property
+    def first_failure(self) -> CaseResult | None:
+        return self.failures[0] if self.failures else None
+
+    def first_failure_line(self) -> str:
+        """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line."""
+        r = self.first_failure
+        if r is None:
+            n = len(self.results)
+            return f"ALL PASS: {n} (case, backend) result(s) within their gates"
+        if r.status == "error":
+            return f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): error: {r.error}"
+        t = r.first_failing
+        if t is None:
+            sp = r.speed
+            return (f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): speed: bw ratio {sp.bw_ratio} "
+                    f"(target {sp.target_bw_ratio}), time ratio {sp.time_ratio} (target {sp.target_time_ratio}); {sp.note}")
+        return (f"FIRST FAILURE: {r.case} on {r.backend}: outputs.{t.tensor} (block {t.block}): "
+                f"{t.comparison.summary()} [{t.verdict.why}]")
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failures else 0
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
+            "wall_seconds": self.wall_seconds, "backends": self.backends,
+            "copy_bandwidth": self.copy_bandwidth, "results": [r.to_dict() for r in self.results],
+        }
+
+
+class _Runner:
+    """Holds the per-run caches: goldens, baseline errors and timings."""
+
+    def __init__(self, root: Path, config: str, timing: bool):
+        self.root, self.config, self.timing = Path(root), config, timing
+        self.manifest = None
+        self.goldens: dict[str, object] = {}
+        self.errors: dict[tuple[str, str], dict[str, float] | None] = {}   # (case, backend) -> tensor -> rel RMS
+        self.times: dict[tuple[str, str], float | None] = {}
+        self.copy_bw: dict[str, float] = {}
+
+    def golden(self, case: Case):
+        if case.name not in self.goldens:
+            try:
+                if self.manifest is None:
+                    self.manifest = load_manifest(self.root)
+                self.goldens[case.name] = read_golden(self.root, case.name, self.manifest, case.config)
+            except GoldenError as e:
+                self.goldens[case.name] = e
+        return self.goldens[case.name]
+
+    def outputs(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
+        return kind_of(case).evaluate(case, golden, backend)
+
+    def baseline_errors(self, case: Case, golden, precision: str) -> tuple[str | None, dict[str, float] | None]:
+        """(baseline name, tensor -> rel RMS error of the baseline) or (name, None) when it cannot run."""
+        name = gates.BASELINE.get(precision)
+        if name is None:
+            return None, None
+        key = (case.name, name)
+        if key not in self.errors:
+            try:
+                b = get_backend(name)
+                ok, _ = b.available()
+                outs = self.outputs(case, golden, b) if ok else None
+                self.errors[key] = None if outs is None else {
+                    t: compare(outs[t], ref).rel_rms for t, ref in golden.group("outputs").items() if t in outs}
+            except Exception:  # noqa: BLE001 - a broken baseline means "cap only", never a crash
+                self.errors[key] = None
+        return name, self.errors[key]
+
+    def time_of(self, case: Case, golden, backend) -> tuple[float, int] | None:
+        try:
+            return kind_of(case).timing(case, golden, backend)
+        except Exception:  # noqa: BLE001 - a timer failure is reported as "not timed", not a failed case
+            return None
+
+    def speed(self, case: Case, golden, backend) -> gates.SpeedResult | None:
+        if not self.timing:
+            return None
+        t = self.time_of(case, golden, backend)
+        self.times[(case.name, backend.name)] = None if t is None else t[0]
+        if t is None:
+            return None
+        if backend.name not in self.copy_bw:
+            fn = getattr(backend, "copy_bandwidth", None)
+            bw = fn() if fn else None
+            self.copy_bw[backend.name] = bw
+        base = TIME_BASELINE.get(backend.precision)
+        base_s = None
+        if base and base != backend.name:
+            if (case.name, base) not in self.times:
+                try:
+                    bb = get_backend(base)
+                    bt = self.time_of(case, golden, bb) if bb.available()[0] else None
+                except Exception:  # noqa: BLE001
+                    bt = None
+                self.times[(case.name, base)] = None if bt is None else bt[0]
+            base_s = self.times[(case.name, base)]
+        target = getattr(backend, "speed_target", lambda block: None)(case.block)
+        return gates.judge_speed(case.block, backend.name, t[0], t[1], self.copy_bw[backend.name], base_s, target)
+
+    def run_one(self, case: Case, backend) -> CaseResult:
+        t0 = time.perf_counter()
+        res = CaseResult(case.name, case.block, backend.name, backend.precision, "pass")
+        golden = self.golden(case)
+        if isinstance(golden, GoldenError):
+            res.status, res.error = "error", str(golden)
+            return res
+        kind = kind_of(case)
+        try:
+            outs = self.outputs(case, golden, backend)
+        except GoldenError as e:
+            res.status, res.error = "error", str(e)
+            return res
+        except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            res.status = "error"
+            res.error = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
+            return res
+        if backend.name == gates.BASELINE.get(backend.precision):   # the baseline itself: no second run
+            self.errors[(case.name, backend.name)] = {
+                t: compare(outs[t], ref).rel_rms for t, ref in golden.group("outputs").items() if t in outs}
+        base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
+        for tensor, ref in golden.group("outputs").items():
+            block = kind.block_of(case, tensor)
+            key, gate = gates.gate_for(block, tensor, backend.precision)
+            if tensor in outs:
+                cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
+            else:
+                cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
+            b_err = None if base_errs is None or backend.precision == "fp64" else base_errs.get(tensor)
+            verdict = gates.judge(cmp, gate, backend.precision, b_err)
+            m = _LAYER.search(tensor)
+            res.tensors.append(TensorResult(tensor, block, cmp, key, gate, verdict,
+                                            base_name if backend.precision != "fp64" else None, b_err,
+                                            int(m.group(1)) if m else None))
+        if any(not t.passed for t in res.tensors):
+            res.status = "fail"
+        res.speed = self.speed(case, golden, backend)
+        if res.speed is not None and res.speed.passed is False and res.status == "pass":
+            res.status = "fail"
+        res.seconds = time.perf_counter() - t0
+        return res
+
+
+def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
+    """(runnable backends, availability rows for all requested); KeyError for an unknown name."""
+    from .backends import backend_names
+
+    names = list(names) if names else backend_names()
+    runnable, rows = [], []
+    for name in names:
+        b = get_backend(name)
+        ok, why = b.available()
+        rows.append({"name": name, "precision": b.precision, "available": ok, "reason": why})
+        if ok:
+            runnable.append(b)
+    return runnable, rows
+
+
+def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, config: str = "tiny",
+        timing: bool = True, progress=None) -> RunReport:
+    """Run `cases` on the named backends (every registered one when None) against the goldens in `root`.
+
+    progress: optional callable(done, total, label) called after each (case, backend).
+    """
+    t0 = time.perf_counter()
+    backends, rows = resolve_backends(backend_names)
+    runner = _Runner(root, config, timing)
+    results = []
+    total = len(cases) * len(backends)
+    for case in cases:
+        for b in backends:
+            results.append(runner.run_one(case, b))
+            if progress:
+                progress(len(results), total, f"{case.name} on {b.name}")
+    bw = {k: v for k, v in runner.copy_bw.items() if v}
+    return RunReport(config, rows, results, time.perf_counter() - t0, bw)
+

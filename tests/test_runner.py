@@ -1,0 +1,227 @@
+"""The runner and the CLI: exit codes, reports, broken goldens, skipped backends, baselines, speed, new kinds."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance import backends, cases, gates, goldens
+from conformance.backends import NumpyBackend
+from conformance.cases import Case, Content, all_cases, cast, select
+from conformance.cli import main
+from conformance.goldens import COMMITTED_ROOT, regenerate
+from conformance.runner import run
+
+SUBSET = ["rmsnorm/T1-D113", "moe_route/T1-E8-k2"]
+
+
+@dataclasses.dataclass
+class Offline:
+    """A backend that cannot run here."""
+
+    name: str = "offline"
+    precision: str = "fp32"
+
+    def available(self):
+        return False, "no such device on this machine (test backend)"
+
+
+@pytest.fixture
+def extra_backend(monkeypatch):
+    """register(name, factory) for the duration of one test."""
+
+    def register(name, factory):
+        monkeypatch.setitem(backends.BACKENDS, name, factory)
+        monkeypatch.delitem(backends._CACHE, name, raising=False)
+
+    yield register
+    for name in ("offline", "slow32"):
+        backends._CACHE.pop(name, None)
+
+
+def test_run_subset_passes_and_writes_self_contained_reports(tmp_path, capsys):
+    rc = main(["run", "--backend", "numpy64", "numpy32", "--cases", *SUBSET, "--report", str(tmp_path), "--no-timing"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("ALL PASS")
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["exit_code"] == 0 and len(data["results"]) == 4
+    assert {r["status"] for r in data["results"]} == {"pass"}
+    assert "ALL PASS" in (tmp_path / "report.md").read_text().splitlines()[2]
+    page = (tmp_path / "report.html").read_text()
+    assert "<style>" in page and "rmsnorm/T1-D113" in page
+    for external in ("http://", "https://", "<script", "<link", "src="):
+        assert external not in page
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["run", "--backend", "nope"], "unknown backend 'nope'", id="unknown-backend"),
+    pytest.param(["run", "--backend", "mutant:nope"], "unknown mutant", id="unknown-mutant"),
+    pytest.param(["run", "--cases", "no_such_block/*"], "no case matches", id="no-case"),
+    pytest.param(["show", "kda_decode/B9"], "unknown case", id="show-unknown"),
+    pytest.param(["regen", "--check", "--accept"], "cannot be combined", id="check-and-accept"),
+    pytest.param(["run", "--golden", "/nonexistent/golden"], "no goldens in /nonexistent/golden", id="no-goldens"),
+])
+def test_bad_usage_exits_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_broken_golden_is_an_error_row_and_the_run_goes_on(tmp_path, capsys):
+    root = tmp_path / "golden"
+    regenerate(select(all_cases("tiny"), SUBSET), root)
+    broken = goldens.golden_path(root, SUBSET[0])
+    broken.write_bytes(broken.read_bytes()[:100])
+    rc = main(["run", "--backend", "numpy64", "--golden", str(root), "--cases", *SUBSET,
+               "--report", str(tmp_path / "rep"), "--no-timing"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert out.startswith(f"FIRST FAILURE: {SUBSET[0]} on numpy64")
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    status = {r["case"]: (r["status"], r["error"]) for r in data["results"]}
+    assert status[SUBSET[1]][0] == "pass"
+    assert status[SUBSET[0]][0] == "error" and f"k3conf regen --cases '{SUBSET[0]}'" in status[SUBSET[0]][1]
+
+
+def test_only_unavailable_backends_is_bad_usage(capsys, extra_backend):
+    extra_backend("offline", Offline)
+    assert main(["run", "--backend", "offline", "--cases", SUBSET[0], "--no-timing"]) == 2
+    assert "none of the requested backends can run here: offline: no such device" in capsys.readouterr().err
+
+
+def test_unavailable_backend_is_skipped_with_its_reason(tmp_path, capsys, extra_backend):
+    extra_backend("offline", Offline)
+    rc = main(["run", "--backend", "numpy64", "offline", "--cases", SUBSET[0], "--report", str(tmp_path), "--no-timing"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "skipped offline: no such device on this machine (test backend)" in out
+    rows = json.loads((tmp_path / "report.json").read_text())["backends"]
+    assert {r["name"]: r["available"] for r in rows} == {"numpy64": True, "offline": False}
+
+
+def test_missing_baseline_means_cap_only_and_says_so(monkeypatch, extra_backend, tmp_path):
+    extra_backend("offline", Offline)
+    monkeypatch.setitem(gates.BASELINE, "fp32", "offline")
+    report = run(select(all_cases("tiny"), SUBSET[:1]), ["numpy32"], COMMITTED_ROOT, timing=False)
+    (t,) = report.results[0].tensors
+    assert t.baseline == "offline" and t.baseline_err is None
+    assert "cap only" in t.verdict.why and t.verdict.bound == t.gate.cap
+    from conformance.report import markdown
+
+    assert "baseline offline unavailable for fp32: the absolute cap alone applied" in markdown(report)
+
+
+def test_baseline_error_sets_the_bound():
+    report = run(select(all_cases("tiny"), SUBSET[:1]), ["numpy32"], COMMITTED_ROOT, timing=False)
+    (t,) = report.results[0].tensors
+    assert t.baseline == "numpy32" and t.baseline_err == t.comparison.rel_rms > 0
+    assert np.isclose(t.verdict.bound, min(t.gate.cap, t.gate.k * t.baseline_err + t.gate.floor))
+
+
+def test_speed_is_measured_and_a_target_can_fail(monkeypatch, extra_backend):
+    extra_backend("slow32", lambda: NumpyBackend("slow32", "fp32", repeats=3))
+    picked = select(all_cases("tiny"), SUBSET[:1])
+    report = run(picked, ["slow32"], COMMITTED_ROOT, timing=True)
+    sp = report.results[0].speed
+    assert sp.seconds > 0 and sp.bytes_moved > 0 and sp.bw_ratio > 0 and sp.time_ratio > 0
+    assert sp.passed is None and report.exit_code == 0      # CPU rows are report-only
+    monkeypatch.setitem(gates.SPEED_TARGETS, ("rmsnorm", "slow32"), (1e9, None, "test: impossible target"))
+    report = run(picked, ["slow32"], COMMITTED_ROOT, timing=True)
+    assert report.results[0].status == "fail" and report.exit_code == 1
+    assert report.first_failure_line().startswith("FIRST FAILURE: rmsnorm/T1-D113 on slow32 (block rmsnorm): speed:")
+
+
+# ---- a new kind of case: what conformance/traces.py does (docs/runner.md)
+
+
+class LayerKind:
+    """Two 'layers' of RMSNorm; tensors named layerNN.*; each layer's block is rmsnorm."""
+
+    name = "test-layers"
+
+    def cases(self, config):
+        return [Case("toy_trace/L3", self.name, config, 7, {"layers": 3})]
+
+    def generate(self, case):
+        rng = np.random.default_rng(case.seed)
+        x = rng.standard_normal((case.params["layers"], 4, 32))
+        w = 1 + 0.1 * rng.standard_normal(32)
+        from k3ref.ops import rmsnorm
+
+        outs = {f"outputs.layer{i:02d}.h": rmsnorm(x[i], w, 1e-5) for i in range(len(x))}
+        return Content({"inputs.x": x, "inputs.w": w, **outs}, {"eps": 1e-5})
+
+    def evaluate(self, case, golden, backend):
+        x, w = (cast(golden.group("inputs")[n], backend.precision) for n in ("x", "w"))
+        cores = backend.cores()
+        return {f"layer{i:02d}.h": cores.rmsnorm(x[i], w, golden.kwargs["eps"]) for i in range(len(x))}
+
+    def block_of(self, case, tensor):
+        return "rmsnorm"
+
+    def timing(self, case, golden, backend):
+        return None
+
+
+def test_a_registered_kind_runs_with_per_layer_plot(monkeypatch, tmp_path):
+    monkeypatch.setitem(cases.KINDS, "test-layers", LayerKind())
+    picked = select(all_cases("tiny"), ["toy_trace/*"])
+    assert [c.name for c in picked] == ["toy_trace/L3"]
+    regenerate(picked, tmp_path / "g")
+    assert main(["run", "--backend", "numpy64", "numpy32", "--golden", str(tmp_path / "g"), "--cases", "toy_trace",
+                 "--report", str(tmp_path / "r"), "--no-timing"]) == 0
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert page.count("<svg") == 1 and "toy_trace/L3: relative RMS error per layer" in page
+    assert page.count("<polyline") == 2      # one line per backend
+
+    def break_rmsnorm(base):
+        return base.replace(rmsnorm=lambda x, w, eps: np.asarray(x) * 2.0)
+
+    monkeypatch.setitem(backends.MUTANTS, "test-rmsnorm", backends.Mutant("rmsnorm", "x * 2", break_rmsnorm))
+    report = run(picked, ["mutant:test-rmsnorm"], tmp_path / "g", timing=False)
+    backends._CACHE.pop("mutant:test-rmsnorm", None)
+    assert report.first_failure_line().startswith(
+        "FIRST FAILURE: toy_trace/L3 on mutant:test-rmsnorm: outputs.layer00.h (block rmsnorm)")
+
+
+# ---- list, show, python -m
+
+
+def test_list_shows_cases_backends_mutants_gates(capsys):
+    assert main(["list", "cases", "mutants", "gates"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("kda_decode/B2-H3-K16", "mutant:mla-scale-128", "(*, *, fp64): cap 1e-12", "exact by construction"):
+        assert needle in out
+
+
+def test_show_prints_tensors_with_stats(capsys):
+    assert main(["show", "mla_decode/B2-H3-R32-P16-L65-1"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs.o_lat" in out and "float64" in out and "[2, 3, 32]" in out and "rms" in out
+    assert "non-finite" in out          # the NaN-filled unused cache slots are counted, not averaged
+
+
+def test_python_dash_m_is_the_same_cli():
+    p = subprocess.run([sys.executable, "-m", "conformance", "list", "cases"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent, timeout=60)
+    assert p.returncode == 0 and "rmsnorm/T1-D113" in p.stdout
+
+
+@pytest.mark.parametrize("patterns, expected", [
+    pytest.param(["mxfp4_gemv"], 3, id="bare-block"),
+    pytest.param(["mla_decode/*L65*"], 1, id="glob"),
+    pytest.param(["rmsnorm/T1-D113", "situ_glu/I239"], 2, id="exact-names"),
+])
+def test_case_selection(patterns, expected):
+    assert len(select(all_cases("tiny"), patterns)) == expected
+
+
+def test_progress_is_reported_per_result():
+    seen = []
+    run(select(all_cases("tiny"), SUBSET), ["numpy64", "numpy32"], COMMITTED_ROOT, timing=False,
+        progress=lambda done, total, label: seen.append((done, total)))
+    assert seen == [(i, 4) for i in range(1, 5)]
