@@ -17,12 +17,14 @@ Speed: ratios measured in one run. bw_ratio = achieved bytes/s over the copy ban
 same run; time_ratio = time over the baseline backend's time for the same case. CPU rows are report-only
 unless SPEED_TARGETS gives a target; the cuda backend's targets come from its BenchCase.target_bw_ratio.
 
-Look-up falls back from (block, tensor, precision) to (block, "*", precision) to ("*", "*", precision).
+Look-up falls back from (block, tensor, precision) to rows of that block whose tensor is a glob pattern
+matching the tensor (longest pattern first), to (block, "*", precision), to ("*", "*", precision).
 Model-trace cases register their rows with `add_gate` (see docs/runner.md).
 """
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 
 from .compare import Comparison
 
@@ -86,7 +88,15 @@ def gate_for(block: str, tensor: str, precision: str) -> tuple[tuple[str, str, s
     """The row that applies to (block, tensor, precision) and its key (most specific first)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, found {precision!r}")
-    for key in ((block, tensor, precision), (block, "*", precision), ("*", "*", precision)):
+    if (block, tensor, precision) in GATES:
+        return (block, tensor, precision), GATES[(block, tensor, precision)]
+    # tensor patterns (e.g. the model traces' "step*.layer*"), most specific = longest pattern first
+    patterns = sorted((k for k in GATES if k[0] == block and k[2] == precision and k[1] != "*"
+                       and any(ch in k[1] for ch in "*?[") and fnmatch.fnmatchcase(tensor, k[1])),
+                      key=lambda k: -len(k[1]))
+    if patterns:
+        return patterns[0], GATES[patterns[0]]
+    for key in ((block, "*", precision), ("*", "*", precision)):
         if key in GATES:
             return key, GATES[key]
     raise KeyError(f"no gate row for {(block, tensor, precision)}")  # unreachable: defaults exist
