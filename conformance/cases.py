@@ -169,12 +169,15 @@ class CoreSpec:
     make(rng, **params) -> (inputs: name -> float64/int array, kwargs: name -> scalar); the core is called
     as core(**inputs, **kwargs). outputs: the names of the core's return values, in order.
     canonical(outputs) -> outputs: an order-free normal form (router: each row sorted by expert index).
+    fp32_inputs: inputs that K3 keeps in fp32 (F32 checkpoint tensors, the fp32 KDA state, the fp32 router
+    logits); a bf16 backend receives them in fp32, not rounded to bf16.
     """
 
     core: str
     outputs: tuple[str, ...]
     make: Callable[..., tuple[dict, dict]]
     canonical: Callable[[dict], dict] | None = None
+    fp32_inputs: tuple[str, ...] = ()
 
 
 def _named(outputs: tuple[str, ...], result) -> dict[str, np.ndarray]:
@@ -213,7 +216,9 @@ class CoreKind:
     def _inputs(self, golden, backend) -> tuple[dict, dict]:
         spec = self.specs[golden.block]
         golden.require(f"outputs.{o}" for o in spec.outputs)
-        return cast_all(golden.group("inputs"), backend.precision), golden.kwargs
+        p = backend.precision
+        keep = spec.fp32_inputs if p == "bf16" else ()
+        return {k: cast(v, "fp32" if k in keep else p) for k, v in golden.group("inputs").items()}, golden.kwargs
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         inputs, kwargs = self._inputs(golden, backend)
@@ -370,14 +375,16 @@ def _attnres_mix(rng, S, lead, D, mix=1.0, eps=1e-5):
             {"mix": mix, "eps": eps})
 
 
+_KDA_FP32 = ("A_log", "dt_bias", "state")  # F32 in the checkpoint; the recurrent state is fp32
+
 CORE_SPECS: dict[str, CoreSpec] = {
     "rmsnorm": CoreSpec("rmsnorm", ("y",), _rmsnorm),
     "situ_glu": CoreSpec("situ_glu", ("h",), _situ_glu),
-    "kda_decode": CoreSpec("kda_decode", ("o", "state"), _kda_decode),
-    "kda_prefill": CoreSpec("kda_prefill", ("o", "state"), _kda_prefill),
+    "kda_decode": CoreSpec("kda_decode", ("o", "state"), _kda_decode, fp32_inputs=_KDA_FP32),
+    "kda_prefill": CoreSpec("kda_prefill", ("o", "state"), _kda_prefill, fp32_inputs=_KDA_FP32),
     "mla_decode": CoreSpec("mla_decode", ("o_lat",), _mla_decode),
     "mxfp4_gemv": CoreSpec("mxfp4_gemv", ("y",), _mxfp4_gemv),
-    "moe_route": CoreSpec("moe_route", ("weights", "indices"), _moe_route, _route_canonical),
+    "moe_route": CoreSpec("moe_route", ("weights", "indices"), _moe_route, _route_canonical, ("logits", "bias")),
     "attnres_mix": CoreSpec("attnres_mix", ("out",), _attnres_mix),
 }
 
