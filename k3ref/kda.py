@@ -1,0 +1,556 @@
+"""KDA (Kimi Delta Attention): the K3 linear-attention mixer (DESIGN.md section 3 "KDA").
+
+Per token t and head h (K = V = head_dim in K3; the core functions accept any K, V):
+
+    q, k, v = SiLU(conv(W_q x)), SiLU(conv(W_k x)), SiLU(conv(W_v x))      depthwise causal conv, width 4
+    q^ = L2(q_h) * K^-1/2,  k^ = L2(k_h),  L2(x) = x / sqrt(sum(x^2) + KDA_L2_EPS)
+    g  = lb * sigma(exp(A_log_h) * (W_fb W_fa x + dt_bias))                  lb = -5, so exp(g) in (e^-5, 1)
+         (lower bound None: g = -exp(A_log_h) * softplus(...), the Kimi Linear form)
+    beta = sigma(W_b x)_h
+    S <- Diag(exp g) S;  S <- S + beta k^ (v - S^T k^)^T;  o = S^T q^          S: [K, V]
+    y = W_o concat_h[ RMSNorm_1e-5(o_h; w_onorm) * sigma(G_h) ],  G = W_g x
+
+The recurrence follows flash-linear-attention (`fla/ops/kda/naive.py`): q, k [B, T, H, K], v [B, T, H, V],
+g [B, T, H, K] (log-decay per key channel), beta [B, T, H], state [B, H, K, V]. Independent forms test each
+other: `kda_recurrent` (one step at a time), `kda_chunked` (WY/UT transform in chunks of 64; the prefill core)
+and the step written out in `kda_decode_core` (the decode core). The layer functions `kda_prefill` and
+`kda_decode_token` call the cores through `k3ref.cores`, so a CUDA core can replace either one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from ._check import as_float, check_shape, require
+from .ops import linear, sigmoid, silu, softplus
+
+KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
+KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
+_CHUNK_GROUP = 4             # chunks vectorised together in kda_chunked (speed only)
+_DECODE_HEAD_BLOCK = 16      # heads per step of kda_decode_core (speed only)
+_SUB_BLOCK = 8               # rows per sub-block inside a chunk of kda_chunked (speed only; any value is exact)
+
+
+# ----------------------------------------------------------------------------------------------- config, state
+
+@dataclasses.dataclass(frozen=True)
+class KdaConfig:
+    """Geometry of one KDA layer (names follow config.json's linear_attn_config).
+
+    num_heads: H; head_dim: K = V; conv_size: W of the depthwise causal conv; gate_lower_bound: lb of the
+    sigmoid gate (None = Kimi Linear softplus gate); use_full_rank_gate: output gate G = g_proj x (True) or
+    g_b(g_a x); norm_eps: eps of the per-head output RMSNorm.
+    """
+
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    gate_lower_bound: float | None = KDA_GATE_LOWER_BOUND
+    use_full_rank_gate: bool = True
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("num_heads", "head_dim", "conv_size"):
+            val = getattr(self, name)
+            require(isinstance(val, (int, np.integer)) and not isinstance(val, bool) and val >= 1,
+                    f"KdaConfig.{name}: expected a positive int, found {val!r}")
+        _check_lower_bound("KdaConfig.gate_lower_bound", self.gate_lower_bound)
+        require(isinstance(self.norm_eps, (int, float)) and np.isfinite(self.norm_eps) and self.norm_eps > 0,
+                f"KdaConfig.norm_eps: expected a finite positive float, found {self.norm_eps!r}")
+
+    @property
+    def key_dim(self) -> int:
+        """H * K: width of q_proj / k_proj and of the q, k conv channels."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """H * V: width of v_proj, g_proj and o_proj's input."""
+        return self.num_heads * self.head_dim
+
+
+@dataclasses.dataclass
+class KdaState:
+    """The decode state of one KDA layer for a batch of B sequences.
+
+    conv_q: [B, H*K, W-1], conv_k: [B, H*K, W-1], conv_v: [B, H*V, W-1] — the last W-1 *inputs* of each
+    depthwise conv channel (the projections before the conv), oldest first, so conv_x[:, :, -1] is the
+    previous token; zeros at the start of a sequence. recurrent: [B, H, K, V] — the KDA state S, key
+    channel on axis 2, value channel on axis 3 (fla's layout), float32 or wider.
+    """
+
+    conv_q: np.ndarray
+    conv_k: np.ndarray
+    conv_v: np.ndarray
+    recurrent: np.ndarray
+
+    @classmethod
+    def zeros(cls, cfg: KdaConfig, batch: int, dtype=np.float64) -> "KdaState":
+        """The state of B fresh sequences: all zeros (recurrent in float32 at least)."""
+        require(isinstance(batch, (int, np.integer)) and batch >= 1, f"batch: expected a positive int, found {batch!r}")
+        dtype = np.dtype(dtype)
+        require(dtype in (np.float32, np.float64), f"dtype: expected float32 or float64, found {dtype}")
+        W1, H, K = cfg.conv_size - 1, cfg.num_heads, cfg.head_dim
+        return cls(conv_q=np.zeros((batch, cfg.key_dim, W1), dtype),
+                   conv_k=np.zeros((batch, cfg.key_dim, W1), dtype),
+                   conv_v=np.zeros((batch, cfg.value_dim, W1), dtype),
+                   recurrent=np.zeros((batch, H, K, K), np.result_type(dtype, np.float32)))
+
+    def copy(self) -> "KdaState":
+        """A deep copy (every array copied)."""
+        return KdaState(*(np.array(getattr(self, f.name), copy=True) for f in dataclasses.fields(self)))
+
+    def check(self, cfg: KdaConfig, batch: int) -> None:
+        """Raise ValueError unless every buffer has the shape of `KdaState.zeros(cfg, batch)`."""
+        W1, H, K = cfg.conv_size - 1, cfg.num_heads, cfg.head_dim
+        check_shape("state.conv_q", self.conv_q, (batch, cfg.key_dim, W1))
+        check_shape("state.conv_k", self.conv_k, (batch, cfg.key_dim, W1))
+        check_shape("state.conv_v", self.conv_v, (batch, cfg.value_dim, W1))
+        check_shape("state.recurrent", self.recurrent, (batch, H, K, K))
+
+
+# ----------------------------------------------------------------------------------------------- small steps
+
+def _check_lower_bound(name: str, lb) -> float | None:
+    if lb is None:
+        return None
+    require(isinstance(lb, (int, float, np.floating)) and not isinstance(lb, bool) and np.isfinite(lb) and lb < 0,
+            f"{name}: expected a finite negative float or None (softplus gate), found {lb!r}")
+    return float(lb)
+
+
+def l2norm(x: np.ndarray, eps: float = KDA_L2_EPS) -> np.ndarray:
+    """L2(x) = x / sqrt(sum(x^2) + eps) over the last axis. x: [..., K] -> [..., K] in x's dtype.
+
+    eps sits inside the sqrt (fla's `l2norm`), so ||L2(x)|| = |x| / sqrt(|x|^2 + eps) < 1 and L2(0) = 0.
+    """
+    x = as_float("x", x)
+    require(x.ndim >= 1, "x: expected shape [..., K], found a scalar")
+    require(np.isfinite(eps) and eps >= 0, f"eps: expected a finite float >= 0, found {eps!r}")
+    return x * (1.0 / np.sqrt(np.einsum("...k,...k->...", x, x)[..., None] + eps)).astype(x.dtype, copy=False)
+
+
+def kda_gate(g_raw: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray,
+             lower_bound: float | None = KDA_GATE_LOWER_BOUND) -> np.ndarray:
+    """Log-decay per key channel from the f_b_proj output.
+
+    g_raw: [..., H, K]; A_log: [H]; dt_bias: [H*K] (flat, head-major) -> g [..., H, K] in g_raw's dtype.
+    lower_bound lb:  g = lb * sigma(exp(A_log_h) * (g_raw + dt_bias_h))      in (lb, 0)
+    lower_bound None: g = -exp(A_log_h) * softplus(g_raw + dt_bias_h)        in (-inf, 0)  (Kimi Linear)
+    """
+    g_raw = as_float("g_raw", g_raw)
+    require(g_raw.ndim >= 2, f"g_raw: expected shape [..., H, K], found {g_raw.shape}")
+    H, K = g_raw.shape[-2:]
+    A_log = as_float("A_log", A_log).astype(g_raw.dtype, copy=False)
+    check_shape("A_log", A_log, (H,))
+    dt_bias = as_float("dt_bias", dt_bias).astype(g_raw.dtype, copy=False)
+    check_shape("dt_bias", dt_bias, (H * K,))
+    lb = _check_lower_bound("lower_bound", lower_bound)
+    a = np.exp(A_log)[:, None]                       # [H, 1]
+    z = g_raw + dt_bias.reshape(H, K)
+    g = -a * softplus(z) if lb is None else lb * sigmoid(a * z)
+    return g.astype(g_raw.dtype, copy=False)
+
+
+def short_conv(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray | None = None):
+    """Depthwise causal conv, no activation (the layer applies SiLU).
+
+    x: [B, T, C]; weight: [C, 1, W] (as checkpoints store it) or [C, W]; conv_state: [B, C, W-1] (the last
+    W-1 inputs per channel, oldest first) or None (zero history) -> (y [B, T, C], new_state [B, C, W-1]).
+    y_t[c] = sum_{j=0..W-1} w[c, j] x_{t-W+1+j}[c]; w[:, W-1] hits the current token.
+    """
+    x = as_float("x", x)
+    B, T, C = check_shape("x", x, (None, None, None))
+    w = as_float("weight", weight).astype(x.dtype, copy=False)
+    require(w.ndim in (2, 3), f"weight: expected [C, 1, W] or [C, W], found shape {w.shape}")
+    if w.ndim == 3:
+        check_shape("weight", w, (C, 1, None))
+        w = w[:, 0, :]
+    W = check_shape("weight", w, (C, None))[1]
+    require(W >= 1, f"weight: expected a kernel width W >= 1, found shape {w.shape}")
+    if conv_state is None:
+        hist = np.zeros((B, W - 1, C), x.dtype)
+    else:
+        conv_state = as_float("conv_state", conv_state)
+        check_shape("conv_state", conv_state, (B, C, W - 1))
+        hist = conv_state.astype(x.dtype, copy=False).transpose(0, 2, 1)
+    xp = np.concatenate([hist, x], axis=1)                            # [B, W-1+T, C]; row s is x_{s-W+1}
+    y = sum(w[:, j] * xp[:, j:j + T] for j in range(W))              # tap j sees x_{t-W+1+j}
+    new_state = np.ascontiguousarray(xp[:, xp.shape[1] - (W - 1):].transpose(0, 2, 1))
+    return y.astype(x.dtype, copy=False), new_state
+
+
+# ----------------------------------------------------------------------------------------------- recurrence
+
+def _scale(scale, K: int) -> float:
+    """The query scale: K**-0.5 when None, else a finite float."""
+    scale = K ** -0.5 if scale is None else scale
+    require(isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and np.isfinite(scale),
+            f"scale: expected a finite float or None (K**-0.5), found {scale!r}")
+    return float(scale)
+
+
+def _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
+    """Validate fla-convention inputs; return (q * scale, k, v, g, beta, S0) in one float dtype."""
+    q, k, v, g, beta = (as_float(n, a) for n, a in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)))
+    B, T, H, K = check_shape("q", q, (None, None, None, None))
+    check_shape("k", k, (B, T, H, K))
+    V = check_shape("v", v, (B, T, H, None))[3]
+    check_shape("g", g, (B, T, H, K))
+    check_shape("beta", beta, (B, T, H))
+    arrays = [q, k, v, g, beta]
+    if initial_state is not None:
+        initial_state = as_float("initial_state", initial_state)
+        check_shape("initial_state", initial_state, (B, H, K, V))
+        arrays.append(initial_state)
+    dt = np.result_type(*arrays)
+    scale = _scale(scale, K)
+    q, k, v, g, beta = (a.astype(dt, copy=False) for a in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    S0 = np.zeros((B, H, K, V), dt) if initial_state is None else initial_state.astype(dt)  # always a copy
+    return q * dt.type(scale), k, v, g, beta, S0
+
+
+def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=False):
+    """The KDA recurrence one token at a time (fla `naive_recurrent_kda`).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] (log-decay); beta: [B, T, H];
+    initial_state: [B, H, K, V] or None (zeros) -> (o [B, T, H, V], final_state [B, H, K, V]).
+    Per step:  S <- diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t).
+    scale defaults to K**-0.5; use_qk_l2norm applies `l2norm` to q and k first. Computes in the widest
+    input dtype (float32 or float64).
+    """
+    q, k, v, g, beta, S = _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
+    B, T, H, K = q.shape
+    o = np.full((B, T, H, v.shape[-1]), np.nan, S.dtype)             # NaN so an unwritten row shows
+    for t in range(T):
+        S = np.exp(g[:, t])[..., None] * S                            # [B, H, K, V]
+        kS = (k[:, t, :, None, :] @ S)[..., 0, :]                     # S^T k: [B, H, V]
+        u = beta[:, t, :, None] * (v[:, t] - kS)                      # [B, H, V]
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        o[:, t] = (q[:, t, :, None, :] @ S)[..., 0, :]
+    return o, S
+
+
+def _intra_chunk_scores(q, k, g, G, sub):
+    """Decay-weighted scores inside each chunk, built so that no exp can exceed 1 (for g <= 0).
+
+    q, k, g, G: [..., L, K] with L a multiple of `sub` (g = per-step log-decay, G = its cumulative sum from
+    the chunk start) -> Akk, Aqk [..., L, L] with X_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for i >= j and 0
+    above the diagonal; and k_end [..., K, L] = k_j exp(G_{L-1} - G_j), each key decayed to the chunk end.
+    Rows go in blocks of `sub`. Inside a block the ratios exist for i >= j only, diagonal by diagonal
+    (d = i - j): exp(G_i - G_j) = exp(g_i) exp(G_{i-1} - G_j), one step of decay times the ratio of
+    diagonal d - 1 (no cancellation in G_i - G_j; the upper triangle is never formed). Left of a block
+    starting at row a, with r = a - 1:  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) for i > r >= j; both
+    factors are decays over forward spans (<= 1), so the block is one matmul. If a factor underflows, the
+    true product is below it and underflows too.
+    """
+    L, K = G.shape[-2:]
+    lead = G.shape[:-2]
+    nb = L // sub
+    qb, kb, step = (x.reshape(lead + (nb, sub, K)) for x in (q, k, np.exp(g)))
+    qk = np.stack([k, q], axis=-2)                                   # [..., L, 2, K]: k and q rows together
+    qkb = qk.reshape(lead + (nb, sub, 2, K))
+    A = np.zeros(lead + (L, 2, L), G.dtype)                          # [..., i, (k | q), j]
+    diag = np.zeros(lead + (nb, sub, 2, sub), G.dtype)
+    kE = kb                                                           # d = 0: k_j, no decay
+    for d in range(sub):                                              # pairs (i, i - d) inside every block
+        if d:
+            kE = step[..., d:, :] * kE[..., :-1, :]                   # k_j exp(G_i - G_j), i = j + d
+        r = np.arange(d, sub)
+        x = (qkb[..., d:, :, :] @ kE[..., :, None])[..., 0]          # [..., nb, sub - d, 2]: k_i . kE, q_i . kE
+        diag[..., r, 0, r - d] = x[..., 0]
+        diag[..., r, 1, r - d] = x[..., 1]
+    k_end = None                                                      # [..., K, a]: keys j < a decayed to a - 1
+    for n, a in enumerate(range(0, L, sub)):
+        b = a + sub
+        A[..., a:b, :, a:b] = diag[..., n, :, :, :]
+        Gb_end = G[..., b - 1:b, :]                                   # [..., 1, K]
+        fresh = np.exp(Gb_end - G[..., a:b, :]) * k[..., a:b, :]      # this block's keys decayed to b - 1
+        if a == 0:
+            k_end = fresh.swapaxes(-1, -2)
+            continue
+        Gr = G[..., a - 1:a, :]
+        to_i = np.exp(G[..., a:b, None, :] - Gr[..., None, :])        # decay r -> i: [..., sub, 1, K]
+        rows = (qk[..., a:b, :, :] * to_i).reshape(lead + (2 * sub, K))
+        A[..., a:b, :, :a] = (rows @ k_end).reshape(lead + (sub, 2, a))
+        k_end = np.concatenate([k_end * np.exp(Gb_end - Gr).swapaxes(-1, -2), fresh.swapaxes(-1, -2)], axis=-1)
+    return A[..., :, 0, :], np.ascontiguousarray(A[..., :, 1, :]), k_end
+
+
+def _unit_lower_inverse(M, sub):
+    """M^-1 for unit lower triangular M [..., L, L] (L a multiple of sub), by forward substitution in blocks:
+    the diagonal sub x sub blocks row by row, then block row I: T_IJ = -M_II^-1 sum_{J<=K<I} M_IK T_KJ."""
+    L = M.shape[-1]
+    D = np.stack([M[..., a:a + sub, a:a + sub] for a in range(0, L, sub)], axis=-3)     # [..., nb, sub, sub]
+    Dinv = np.zeros_like(D)
+    Dinv[..., 0, 0] = 1.0
+    for i in range(1, sub):
+        Dinv[..., i, :i] = -np.einsum("...j,...jk->...k", D[..., i, :i], Dinv[..., :i, :i])
+        Dinv[..., i, i] = 1.0
+    T = np.zeros_like(M)
+    for n, a in enumerate(range(0, L, sub)):
+        b = a + sub
+        T[..., a:b, a:b] = Dinv[..., n, :, :]
+        if a:
+            T[..., a:b, :a] = -Dinv[..., n, :, :] @ (M[..., a:b, :a] @ T[..., :a, :a])
+    return T
+
+
+def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=False, chunk_size=64):
+    """The same recurrence as `kda_recurrent`, chunk by chunk with the WY/UT transform (fla `naive_chunk_kda`).
+
+    Shapes as `kda_recurrent`; any T (the sequence is padded to whole chunks with g = 0, k = q = v = 0,
+    beta = 0, which leaves the state unchanged). Within a chunk of L tokens, with G_i = sum_{s<=i} g_s
+    (cumulative log-decay from the chunk start, per key channel) and S0 the state entering the chunk:
+        A_ij   = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)     (i > j)     key-key
+        Aqk_ij = sum_c q_ic k_jc exp(G_ic - G_jc)            (i >= j)    query-key
+        T = (I + A)^-1 diag(beta)                                        UT transform
+        w = T (exp(G) * k),  u = T v - w S0                              WY form: u_i = beta_i (v_i - S'_i^T k_i)
+        o = (exp(G) * q) S0 + Aqk u
+        S = exp(G_L) * S0 + (exp(G_L - G) * k)^T u
+    Every decay factor is over a forward span (exp(G_i - G_j) with i >= j, exp(G_i), exp(G_L - G_j); inside
+    a sub-block of 8 rows, exp(G_i - G_j) is the product of the one-step decays exp(g_s), j < s <= i), never
+    exp(-G) alone, so with g <= 0 every factor is <= 1 and float32 stays finite at cumulative log-decay -320
+    per chunk. See `_intra_chunk_scores`.
+    """
+    q, k, v, g, beta, S = _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
+    require(isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool) and chunk_size >= 1,
+            f"chunk_size: expected a positive int, found {chunk_size!r}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    sub = min(_SUB_BLOCK, chunk_size)
+    C = -(-chunk_size // sub) * sub                                   # whole sub-blocks: pad the chunk too
+    N = -(-T // chunk_size)
+    pad = ((0, 0), (0, C - chunk_size), (0, 0), (0, 0))
+
+    def chunks(a):                                                    # [B, T, H, X] -> [N, B, H, C, X]
+        X = a.shape[-1]
+        if N * C != T:                                                # zero rows: the tail, then each chunk's
+            a = np.pad(a, ((0, 0), (0, N * chunk_size - T), (0, 0), (0, 0))).reshape(B * N, chunk_size, H, X)
+            a = np.pad(a, pad)
+        return np.ascontiguousarray(a.reshape(B, N, C, H, X).transpose(1, 0, 3, 2, 4))
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta[..., None])[..., 0]
+    o = np.full((N, B, H, C, V), np.nan, S.dtype)
+    for n0 in range(0, N, _CHUNK_GROUP):                              # a few chunks at a time: stays in cache
+        grp = slice(n0, n0 + _CHUNK_GROUP)
+        o[grp], S = _chunk_group(q[grp], k[grp], v[grp], g[grp], beta[grp], S, sub)
+    o = o[:, :, :, :chunk_size].transpose(1, 0, 3, 2, 4).reshape(B, N * chunk_size, H, V)
+    return o[:, :T], S
+
+
+def _chunk_group(q, k, v, g, beta, S, sub):
+    """`kda_chunked` over consecutive chunks: q, k, g [n, B, H, C, K], v [n, B, H, C, V], beta [n, B, H, C],
+    S [B, H, K, V] entering the first -> (o [n, B, H, C, V], S leaving the last). Formulas: `kda_chunked`."""
+    C = q.shape[-2]
+    G = g.copy()                                                      # [n, B, H, C, K]: cumsum over the chunk
+    for i in range(1, C):                                             # (row by row: np.cumsum is slow on axis -2)
+        G[..., i, :] += G[..., i - 1, :]
+    Akk, Aqk, k_end = _intra_chunk_scores(q, k, g, G, sub)             # k_end: [n, B, H, K, C]
+    M = np.eye(C, dtype=S.dtype) + beta[..., :, None] * np.tril(Akk, -1)          # I + A, unit lower triangular
+    Tm = _unit_lower_inverse(M, sub) * beta[..., None, :]             # UT transform: (I + A)^-1 diag(beta)
+    eG = np.exp(G)                                                    # decay from the chunk start
+    u0 = Tm @ v                                                       # [n, B, H, C, V]
+    wq = np.concatenate([Tm @ (eG * k), eG * q], axis=-2)             # [n, B, H, 2C, K]: rows w, then q_in
+    decay = eG[..., -1, :, None]                                      # [n, B, H, K, 1]
+    o = np.empty(v.shape, S.dtype)
+    for n in range(q.shape[0]):                                       # only the state crosses chunks
+        wS, qS = np.split(wq[n] @ S, 2, axis=-2)                      # w S0 and (exp(G) * q) S0 in one matmul
+        u = u0[n] - wS
+        o[n] = qS + Aqk[n] @ u
+        S = decay[n] * S + k_end[n] @ u
+    return o, S
+
+
+# ----------------------------------------------------------------------------------------------- cores
+
+def _core_gates(g_raw, beta_raw, A_log, dt_bias, lower_bound):
+    """g = kda_gate(...) and beta = sigma(beta_raw) for the cores (shapes checked by the recurrence)."""
+    g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
+    beta = sigmoid(as_float("beta_raw", beta_raw))
+    return g, beta
+
+
+def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
+                    lower_bound=KDA_GATE_LOWER_BOUND, scale=None):
+    """The `kda_decode` core: one token of KDA for B sequences.
+
+    q, k: [B, H, K] (after conv + SiLU, before L2); v: [B, H, V]; g_raw: [B, H, K] (f_b_proj output);
+    beta_raw: [B, H]; A_log: [H]; dt_bias: [H*K]; state: [B, H, K, V] -> (o [B, H, V], new_state [B, H, K, V]).
+    g = kda_gate(g_raw, A_log, dt_bias, lower_bound); q^ = L2(q) * scale, k^ = L2(k) (eps KDA_L2_EPS);
+    beta = sigma(beta_raw); then one step of the recurrence (written out here, a few heads at a time, so it is
+    a third form next to `kda_recurrent` and `kda_chunked`). Inputs are never mutated.
+    """
+    q, k, v, g_raw, beta_raw = (as_float(n, a) for n, a in
+                                zip(("q", "k", "v", "g_raw", "beta_raw"), (q, k, v, g_raw, beta_raw)))
+    B, H, K = check_shape("q", q, (None, None, None))
+    V = check_shape("v", v, (B, H, None))[2]
+    for name, a, shape in (("k", k, (B, H, K)), ("g_raw", g_raw, (B, H, K)), ("beta_raw", beta_raw, (B, H))):
+        check_shape(name, a, shape)
+    state = as_float("state", state)
+    check_shape("state", state, (B, H, K, V))
+    g, beta = _core_gates(g_raw, beta_raw, A_log, dt_bias, lower_bound)
+    dt = np.result_type(q, k, v, g, beta, state)
+    q = l2norm(q.astype(dt, copy=False)) * dt.type(_scale(scale, K))
+    k, v, beta = l2norm(k.astype(dt, copy=False)), v.astype(dt, copy=False), beta.astype(dt, copy=False)
+    decay = np.exp(g.astype(dt, copy=False))
+    o = np.full((B, H, V), np.nan, dt)
+    S = np.empty((B, H, K, V), dt)                                    # every block written below (np.multiply out=)
+    outer = np.empty((B, min(H, _DECODE_HEAD_BLOCK), K, V), dt)       # scratch for k u^T, reused by every block
+    for h0 in range(0, H, _DECODE_HEAD_BLOCK):                        # heads in blocks: the temporaries stay in
+        h = slice(h0, h0 + _DECODE_HEAD_BLOCK)                        # cache, S leaves memory once, comes back once
+        nh = min(H - h0, _DECODE_HEAD_BLOCK)
+        kq = np.stack([k[:, h], q[:, h]], axis=-2) * decay[:, h, None, :]    # [B, h, 2, K]
+        kS, qS = np.moveaxis(kq @ state[:, h], -2, 0)                 # S'^T k, S'^T q with S' = diag(exp g) S
+        u = beta[:, h, None] * (v[:, h] - kS)                         # [B, h, V]
+        o[:, h] = qS + np.sum(k[:, h] * q[:, h], axis=-1)[..., None] * u      # (S' + k u^T)^T q
+        np.multiply(state[:, h], decay[:, h, :, None], out=S[:, h])   # S'
+        np.multiply(k[:, h, :, None], u[:, :, None, :], out=outer[:, :nh])
+        S[:, h] += outer[:, :nh]                                      # S' + k u^T
+    return o, S
+
+
+def kda_prefill_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
+                     lower_bound=KDA_GATE_LOWER_BOUND, scale=None):
+    """The `kda_prefill` core: T tokens of KDA in the chunked form (chunk 64).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g_raw: [B, T, H, K]; beta_raw: [B, T, H]; A_log: [H]; dt_bias: [H*K];
+    state: [B, H, K, V] -> (o [B, T, H, V], final_state [B, H, K, V]). Same math as `kda_decode_core` per token,
+    computed by `kda_chunked`. Inputs are never mutated.
+    """
+    q, v = as_float("q", q), as_float("v", v)
+    B, T, H, K = check_shape("q", q, (None, None, None, None))
+    V = check_shape("v", v, (B, T, H, None))[3]
+    check_shape("state", as_float("state", state), (B, H, K, V))
+    g, beta = _core_gates(g_raw, beta_raw, A_log, dt_bias, lower_bound)
+    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=state, use_qk_l2norm=True, chunk_size=64)
+
+
+# ----------------------------------------------------------------------------------------------- the layer
+
+def _weight(weights: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.ndarray:
+    """weights[name] checked against `shape`; a missing tensor raises ValueError naming it."""
+    if name not in weights:
+        raise ValueError(f"KDA weights: missing tensor {name!r} (module-local names, e.g. 'q_proj.weight')")
+    w = np.asarray(weights[name])
+    check_shape(name, w, shape)
+    return w
+
+
+def _kda_in(weights, X: np.ndarray, state: KdaState, cfg: KdaConfig):
+    """Everything before the core: conv'd q, k, v [B,T,H,*], g_raw [B,T,H,K], beta_raw [B,T,H], A_log [H],
+    dt_bias [H*K] and the new conv buffers."""
+    B, T, D = X.shape
+    H, K, W = cfg.num_heads, cfg.head_dim, cfg.conv_size
+    state.check(cfg, B)
+    streams, conv = [], []
+    for name, width, buf in (("q", cfg.key_dim, state.conv_q), ("k", cfg.key_dim, state.conv_k),
+                             ("v", cfg.value_dim, state.conv_v)):
+        proj = linear(X, _weight(weights, f"{name}_proj.weight", (width, D)))
+        y, new_buf = short_conv(proj, _weight(weights, f"{name}_conv1d.weight", (width, 1, W)), buf)
+        streams.append(silu(y).reshape(B, T, H, K))
+        conv.append(new_buf)
+    f_a = _weight(weights, "f_a_proj.weight", (K, D))
+    g_raw = linear(linear(X, f_a), _weight(weights, "f_b_proj.weight", (cfg.key_dim, K))).reshape(B, T, H, K)
+    beta_raw = linear(X, _weight(weights, "b_proj.weight", (H, D)))
+    A_log = _weight(weights, "A_log", (None,))
+    require(A_log.shape[0] >= H, f"A_log: expected at least H={H} entries (first H are the heads), found {A_log.shape}")
+    dt_bias = _weight(weights, "dt_bias", (cfg.key_dim,))
+    return (*streams, g_raw, beta_raw, A_log[:H], dt_bias), conv
+
+
+def _kda_out(weights, X: np.ndarray, o: np.ndarray, cfg: KdaConfig, cores) -> np.ndarray:
+    """y = W_o concat_h[RMSNorm(o_h; w_onorm) * sigma(G_h)]; X: [B, T, D], o: [B, T, H, V] -> [B, T, D]."""
+    B, T, D = X.shape
+    H, V = cfg.num_heads, cfg.head_dim
+    if cfg.use_full_rank_gate:
+        G = linear(X, _weight(weights, "g_proj.weight", (cfg.value_dim, D)))
+    else:
+        G = linear(linear(X, _weight(weights, "g_a_proj.weight", (V, D))),
+                   _weight(weights, "g_b_proj.weight", (cfg.value_dim, V)))
+        if "g_b_proj.bias" in weights:                                # Kimi Linear's g_b_proj has a bias
+            G = G + _weight(weights, "g_b_proj.bias", (cfg.value_dim,)).astype(G.dtype)
+    o = o.astype(np.result_type(o.dtype, X.dtype), copy=False)
+    normed = cores.rmsnorm(o, _weight(weights, "o_norm.weight", (V,)), cfg.norm_eps)
+    gated = normed * sigmoid(G.reshape(B, T, H, V))
+    return linear(gated.reshape(B, T, H * V), _weight(weights, "o_proj.weight", (D, cfg.value_dim)))
+
+
+def _layer_cores(state, cfg, cores):
+    """Check cfg and state types; the reference cores when cores is None."""
+    require(isinstance(cfg, KdaConfig), f"cfg: expected a KdaConfig, found {type(cfg).__name__}")
+    require(isinstance(state, KdaState), f"state: expected a KdaState, found {type(state).__name__}")
+    if cores is None:
+        from .cores import reference_cores                            # lazy: cores imports this module
+        cores = reference_cores()
+    return cores
+
+
+def kda_prefill(weights: Mapping[str, np.ndarray], X: np.ndarray, state: KdaState, cfg: KdaConfig,
+                cores=None):
+    """The whole KDA layer over T tokens (DESIGN.md section 3), through `cores.kda_prefill` and `cores.rmsnorm`.
+
+    weights: module-local names (docs/interfaces.md); X: [B, T, D] (the normalised sublayer input);
+    state: KdaState for B sequences -> (Y [B, T, D], new KdaState). The input state is not mutated.
+    """
+    cores = _layer_cores(state, cfg, cores)
+    X = as_float("X", X)
+    check_shape("X", X, (None, None, None))
+    (q, k, v, g_raw, beta_raw, A_log, dt_bias), conv = _kda_in(weights, X, state, cfg)
+    o, S = cores.kda_prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state.recurrent,
+                             lower_bound=cfg.gate_lower_bound, scale=None)
+    return _kda_out(weights, X, np.asarray(o), cfg, cores), KdaState(*conv, recurrent=np.asarray(S))
+
+
+def kda_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, state: KdaState, cfg: KdaConfig,
+                     cores=None):
+    """The whole KDA layer for one token of B sequences, through `cores.kda_decode` and `cores.rmsnorm`.
+
+    weights: module-local names; x: [B, D]; state: KdaState for B sequences -> (y [B, D], new KdaState).
+    Equals `kda_prefill` over the same tokens (the conv buffers carry the short-conv history).
+    """
+    cores = _layer_cores(state, cfg, cores)
+    x = as_float("x", x)
+    check_shape("x", x, (None, None))
+    X = x[:, None]
+    (q, k, v, g_raw, beta_raw, A_log, dt_bias), conv = _kda_in(weights, X, state, cfg)
+    o, S = cores.kda_decode(q[:, 0], k[:, 0], v[:, 0], g_raw[:, 0], beta_raw[:, 0], A_log, dt_bias,
+                            state.recurrent, lower_bound=cfg.gate_lower_bound, scale=None)
+    return _kda_out(weights, X, np.asarray(o)[:, None], cfg, cores)[:, 0], KdaState(*conv, recurrent=np.asarray(S))
+
+
+def random_kda_weights(cfg: KdaConfig, hidden: int, rng: np.random.Generator, dtype=np.float64,
+                       a_log_len: int | None = None) -> dict[str, np.ndarray]:
+    """Synthetic module-local KDA weights with O(1) activations for unit-RMS inputs.
+
+    Linear weights ~ N(0, 1/in); conv taps ~ N(0, 1/W); A_log = log(uniform(1, 16)) for the H heads, zero
+    padded to a_log_len entries (K3 pads to 128; default H); dt_bias ~ uniform(-1, 1); o_norm ~ 1 + N(0, 0.1).
+    Low-rank gate configs get g_a_proj / g_b_proj (with bias) instead of g_proj.
+    """
+    H, K, W, D = cfg.num_heads, cfg.head_dim, cfg.conv_size, hidden
+    a_log_len = H if a_log_len is None else a_log_len
+    require(a_log_len >= H, f"a_log_len: expected >= H={H}, found {a_log_len}")
+
+    def lin(out, inp):
+        return rng.standard_normal((out, inp)) / np.sqrt(inp)
+
+    w = {f"{n}_proj.weight": lin(cfg.key_dim, D) for n in "qkv"}
+    w.update({f"{n}_conv1d.weight": rng.standard_normal((cfg.key_dim, 1, W)) / np.sqrt(W) for n in "qkv"})
+    w["A_log"] = np.concatenate([np.log(rng.uniform(1.0, 16.0, H)), np.zeros(a_log_len - H)])
+    w["dt_bias"] = rng.uniform(-1.0, 1.0, cfg.key_dim)
+    w["f_a_proj.weight"] = lin(K, D)
+    w["f_b_proj.weight"] = lin(cfg.key_dim, K)
+    w["b_proj.weight"] = lin(H, D)
+    if cfg.use_full_rank_gate:
+        w["g_proj.weight"] = lin(cfg.value_dim, D)
+    else:
+        w["g_a_proj.weight"] = lin(K, D)
+        w["g_b_proj.weight"] = lin(cfg.value_dim, K)
+        w["g_b_proj.bias"] = 0.1 * rng.standard_normal(cfg.value_dim)
+    w["o_norm.weight"] = 1.0 + 0.1 * rng.standard_normal(K)
+    w["o_proj.weight"] = lin(D, cfg.value_dim)
+    return {name: a.astype(dtype) for name, a in w.items()}
