@@ -1,0 +1,78 @@
+"""k3cuda: CUDA C kernels of the K3 decoder, loaded with PyCUDA, behind the same cores as k3ref.
+
+Importing k3cuda (or any wrapper module) never touches a GPU: PyCUDA is imported and the context created on
+the first launch. `available()` says whether the CUDA backend can run here and, if not, why;
+`cuda_cores(base)` swaps in the kernels that exist. See docs/k3cuda.md.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+from .spec import ARCHS, BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic
+
+# One wrapper module k3cuda/<block>.py per kernel; the block name is also the core's name.
+KERNEL_MODULES = ("kda_decode", "rmsnorm", "situ_glu", "mla_decode", "mxfp4_gemv", "attnres_mix")
+
+# K3_CUDA_<NAME>=0 keeps the base core for that block; kda_decode also answers to the short K3_CUDA_KDA.
+_ENV_ALIASES = {"kda_decode": ("K3_CUDA_KDA",)}
+
+__all__ = ["ARCHS", "BenchCase", "CheckCase", "EntrySpec", "KERNEL_MODULES", "KernelSpec", "Traffic",
+           "available", "cuda_cores", "enabled", "kernel_module", "kernel_specs"]
+
+
+def kernel_module(block: str):
+    """Import and return the wrapper module k3cuda.<block> (no GPU needed)."""
+    if block not in KERNEL_MODULES:
+        raise ValueError(f"block: expected one of {list(KERNEL_MODULES)}, found {block!r}")
+    return importlib.import_module(f"{__name__}.{block}")
+
+
+def kernel_specs() -> tuple[KernelSpec, ...]:
+    """The KernelSpec (`KERNEL`) of every wrapper module in KERNEL_MODULES, in that order."""
+    return tuple(kernel_module(block).KERNEL for block in KERNEL_MODULES)
+
+
+def available() -> tuple[bool, str]:
+    """(True, device description) when kernels can be compiled and launched here, else (False, why not)."""
+    try:
+        import pycuda  # noqa: F401
+    except ImportError as e:
+        return False, (f"pycuda is not installed ({e}); pip install '.[cuda]', or on a machine without network "
+                       "carry the wheel built by tools/build_pycuda_wheel.sh")
+    try:
+        import pycuda.driver as cuda
+    except ImportError as e:
+        return False, f"pycuda cannot load the CUDA driver library (libcuda.so.1): {e}"
+    from .build import nvcc_path
+
+    if not nvcc_path():
+        return False, "nvcc is not on PATH (the kernels are compiled on first use; install the CUDA toolkit)"
+    try:
+        cuda.init()
+        n = cuda.Device.count()
+        if n == 0:
+            return False, "the CUDA driver found no device"
+        dev = cuda.Device(int(os.environ.get("K3CUDA_DEVICE", "0")))
+        major, minor = dev.compute_capability()
+        return True, f"{dev.name()} (sm_{major}{minor}), {n} device(s)"
+    except cuda.Error as e:
+        return False, f"no usable CUDA device: {type(e).__name__}: {e}"
+
+
+def enabled(block: str) -> bool:
+    """False when K3_CUDA_<BLOCK>=0 (or an alias such as K3_CUDA_KDA=0) asks to keep the base core."""
+    names = (f"K3_CUDA_{block.upper()}", *_ENV_ALIASES.get(block, ()))
+    return not any(os.environ.get(n, "").strip() in ("0", "false", "no", "off") for n in names)
+
+
+def cuda_cores(base):
+    """`base` (a k3ref.cores.Cores) with every core that has a kernel replaced by its CUDA host function.
+
+    A block whose K3_CUDA_<BLOCK> is 0 keeps base's core; cores without a kernel always keep base's.
+    """
+    swaps = {}
+    for block in KERNEL_MODULES:
+        if enabled(block):
+            swaps[block] = getattr(kernel_module(block), block)
+    return base.replace(**swaps)

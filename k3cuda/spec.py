@@ -21,6 +21,40 @@ FORMAT_SIZES = {
     "i": 4, "I": 4, "f": 4,
     "h": 2, "H": 2, "b": 1, "B": 1,
 }
+# 'Ns' is an N-byte blob (a by-value struct; 1-aligned, as PyCUDA's struct packing places it) and 'x' a
+# pad byte (no parameter): a struct parameter with 8-byte alignment after an int is packed as 'i4x16s'.
+MAX_REGISTERS_PER_THREAD = 255
+REGISTERS_PER_SM = 65536
+
+
+def register_budget(block_threads: int, min_blocks: int) -> int:
+    """Registers per thread that __launch_bounds__(block_threads, min_blocks) leaves: 65536 / (T * M), <= 255,
+    rounded down to the allocation granule of 8."""
+    return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // (block_threads * min_blocks) // 8 * 8)
+
+
+def parse_format(arg_format: str) -> list[tuple[str, int]]:
+    """Split a prepare() format into parameters: [(char, size)]; pad bytes 'x' come out as ('x', n).
+
+    'PPi' -> [('P', 8), ('P', 8), ('i', 4)]; '4x16s' -> [('x', 4), ('s', 16)]; '2f' -> [('f', 4), ('f', 4)].
+    """
+    out, count = [], ""
+    for ch in arg_format:
+        if ch.isdigit():
+            count += ch
+            continue
+        n = int(count) if count else 1
+        count = ""
+        if ch in "sx":
+            out.append((ch, n))
+        elif ch in FORMAT_SIZES:
+            out.extend([(ch, FORMAT_SIZES[ch])] * n)
+        else:
+            raise ValueError(f"arg_format {arg_format!r}: unknown character {ch!r}; expected one of "
+                             f"{''.join(FORMAT_SIZES)}, 'Ns' or 'x'")
+    if count:
+        raise ValueError(f"arg_format {arg_format!r}: trailing count {count!r} without a type character")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +69,11 @@ class EntrySpec:
     def packed_layout(self) -> list[tuple[int, int]]:
         """(offset, size) of each parameter as the wrapper packs them (native alignment)."""
         layout, off = [], 0
-        for ch in self.arg_format:
-            size = FORMAT_SIZES[ch]
-            off = (off + size - 1) // size * size
-            layout.append((off, size))
+        for ch, size in parse_format(self.arg_format):
+            align = 1 if ch in "sx" else size
+            off = (off + align - 1) // align * align
+            if ch != "x":
+                layout.append((off, size))
             off += size
         assert off == struct.calcsize("@" + self.arg_format.replace("P", "Q")), "layout disagrees with struct"
         return layout
@@ -62,3 +97,40 @@ class KernelSpec:
             if e.name == name:
                 return e
         raise KeyError(f"{self.source} has no entry {name!r}; entries: {[e.name for e in self.entries]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """The fewest bytes a kernel must move through device memory and the FLOPs it must do.
+
+    Built term by term in each wrapper's `traffic()` (one comment per term, FlashMLA-style).
+    """
+
+    bytes: int
+    flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One timed configuration of a kernel for the GPU speed gates (tools/gpu_bench.py).
+
+    make_inputs(rng) -> dict of numpy arrays/scalars, the core's keyword arguments (fresh random data);
+    traffic: what the kernel must move for these shapes; target_bw_ratio: the speed gate on achieved
+    bytes/s over the copy bandwidth measured in the same run (None = report only).
+    """
+
+    label: str
+    make_inputs: object
+    traffic: Traffic
+    target_bw_ratio: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckCase:
+    """One correctness configuration of a kernel for the GPU tests (tests/test_k3cuda_gpu.py).
+
+    make_inputs(rng) -> dict, the core's keyword arguments (small, awkward sizes; fresh random data).
+    """
+
+    label: str
+    make_inputs: object

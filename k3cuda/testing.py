@@ -1,0 +1,380 @@
+"""Helpers shared by the GPU tests (tests/test_k3cuda_gpu.py) and tools/gpu_bench.py. No GPU needed to import.
+
+A kernel is checked against its k3ref core run in float64 on the same inputs: every output must be finite
+where the reference is (outputs are poisoned with NaN before launch, so an unwritten element shows up here)
+and within a relative-RMS tolerance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+
+def reference_core(block: str):
+    """The k3ref core of the same name (k3ref.cores.reference_cores())."""
+    from k3ref.cores import reference_cores
+
+    return getattr(reference_cores(), block)
+
+
+def to_float64(inputs: dict) -> dict:
+    """The same inputs with every floating array (bf16 too) promoted to float64 (integer/uint8 arrays and scalars
+    kept), so the reference computes in float64."""
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray) and (value.dtype.kind == "f" or value.dtype.name == "bfloat16"):
+            value = value.astype(np.float64)
+        out[name] = value
+    return out
+
+
+def as_tuple(result) -> tuple[np.ndarray, ...]:
+    """A core's result as a tuple of arrays (kda_decode returns two, the others one)."""
+    return tuple(np.asarray(r) for r in result) if isinstance(result, tuple) else (np.asarray(result),)
+
+
+def case_seed(label: str) -> int:
+    """A fixed seed per case label (stable across runs and machines)."""
+    return zlib.crc32(label.encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How one output compares with its float64 reference (FlashMLA-style: positions, worst element)."""
+
+    rel_rms: float          # ||out - ref|| / ||ref|| over the elements finite in both
+    max_abs: float
+    worst_index: tuple      # where |out - ref| is largest (or the first non-finite mismatch)
+    worst_out: float
+    worst_ref: float
+    nonfinite_mismatch: int  # elements finite in ref but not in out, or the other way round
+    size: int
+
+    def ok(self, tol: float) -> bool:
+        return self.nonfinite_mismatch == 0 and self.rel_rms <= tol
+
+    def describe(self) -> str:
+        return (f"rel_rms {self.rel_rms:.3e}, max_abs {self.max_abs:.3e}, worst at {self.worst_index}: "
+                f"out {self.worst_out!r} vs ref {self.worst_ref!r}, "
+                f"{self.nonfinite_mismatch} of {self.size} NaN/Inf position mismatches")
+
+
+def compare(out, ref) -> Comparison:
+    """Compare out with ref (shapes must agree; a shape mismatch raises ValueError naming both)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"output shape {out.shape}, reference shape {ref.shape}")
+    fin_o, fin_r = np.isfinite(out), np.isfinite(ref)
+    mismatch = fin_o != fin_r
+    both = fin_o & fin_r
+    diff = np.where(both, np.abs(out - ref), 0.0)
+    den = max(float(np.linalg.norm(np.where(both, ref, 0.0))), np.finfo(np.float64).tiny)
+    rel = float(np.linalg.norm(diff) / den)
+    if mismatch.any():
+        idx = tuple(int(i) for i in np.argwhere(mismatch)[0])
+    elif out.size:
+        idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), out.shape))
+    else:
+        idx = ()
+    return Comparison(rel_rms=rel, max_abs=float(diff.max()) if out.size else 0.0, worst_index=idx,
+                      worst_out=float(out[idx]) if out.size else float("nan"),
+                      worst_ref=float(ref[idx]) if out.size else float("nan"),
+                      nonfinite_mismatch=int(mismatch.sum()), size=int(out.size))
+
+
+def check_outputs(block: str, outs, refs, tol: float) -> list[str]:
+    """Failures (empty = pass) of each output against its reference, naming the block and output index."""
+    outs, refs = as_tuple(outs), as_tuple(refs)
+    if len(outs) != len(refs):
+        return [f"{block}: kernel returned {len(outs)} outputs, the reference {len(refs)}"]
+    fails = []
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        try:
+            c = compare(o, r)
+        except ValueError as e:
+            fails.append(f"{block} output {i}: {e}")
+            continue
+        if not c.ok(tol):
+            fails.append(f"{block} output {i} (tolerance rel_rms {tol:g}): {c.describe()}")
+    return fails
+
+
+# ---- CPU emulation of the kernels (for machines without a GPU) --------------------------------------------
+#
+# The .cu file is compiled as C++17 with a small shim (each CUDA thread a fiber, run round-robin
+# up to its next barrier: __syncthreads waits for the block, __syncwarp and __shfl_xor_sync for the warp; one
+# block at a time, so __shared__ becomes `static`), and each entry is called with the argument buffer packed exactly as PyCUDA packs it
+# (struct, native alignment, EntrySpec.arg_format). Inside `cpu_emulation()` the runtime's device buffers
+# are host arrays and `runtime.bind` launches the emulated entry, so the wrappers, their argument packing
+# and the kernels' indexing and reductions run unchanged on the CPU. It checks logic, not speed or the
+# GPU's rounding (x86 float, no FMA contraction). <cuda_bf16.h> is replaced by a stand-in with the bf16 -> float
+# conversions; a kernel that uses other CUDA headers or intrinsics does not build (BuildError names them).
+
+EMU_SHIM = r"""
+#pragma once
+#include <setjmp.h>
+#include <ucontext.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <vector>
+using std::isnan; using std::max; using std::min;
+struct dim3 { unsigned x, y, z; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline int4 make_int4(int a, int b, int c, int d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline dim3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1}, gridDim{1, 1, 1};
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+// Each CUDA thread is a fiber (ucontext) on one OS thread; a block's fibers run round-robin, each until it
+// waits at a barrier (block-wide for __syncthreads, its warp's for __syncwarp / shuffles) or returns.
+namespace emu {
+// Fibers start through makecontext/swapcontext; after that every switch is _setjmp/_longjmp (no signal-mask
+// system call), which keeps a block of 256 fibers with a dozen barriers in the tens of microseconds.
+constexpr size_t STACK = 64 * 1024;
+struct Group { unsigned count = 0, size = 0, gen = 0; };
+struct Jump { jmp_buf b; };
+inline ucontext_t start_ctx;
+inline std::vector<ucontext_t> ctx;
+inline std::vector<Jump> jumps;
+inline jmp_buf sched;
+inline std::vector<std::unique_ptr<char[]>> stacks;
+inline std::vector<char> done, started;
+inline unsigned cur = 0;
+inline unsigned long long events = 0;
+inline std::function<void()> body;
+inline Group block_group;
+inline std::vector<Group> warp_groups;
+inline float xchg[32][32];
+inline void yield() { if (!_setjmp(jumps[cur].b)) _longjmp(sched, 1); }
+inline void wait(Group& g) {
+    const unsigned my = g.gen;
+    ++events;
+    if (++g.count == g.size) { g.count = 0; ++g.gen; return; }
+    while (g.gen == my) { yield(); }
+    ++events;
+}
+// An exited thread no longer counts at barriers (as on the hardware): its block and warp groups shrink.
+inline void leave(Group& g) { --g.size; if (g.count && g.count == g.size) { g.count = 0; ++g.gen; } }
+inline void fiber_main() {
+    body();
+    done[cur] = 1; ++events;
+    leave(block_group); leave(warp_groups[cur / 32]);
+    _longjmp(sched, 1);
+}
+template <class T> T take(const char* buf, size_t& off) {
+    off = (off + alignof(T) - 1) / alignof(T) * alignof(T);
+    T v; std::memcpy(&v, buf + off, sizeof(T)); off += sizeof(T); return v;
+}
+template <class... A> void invoke(void (*k)(A...), const char* buf) {
+    size_t off = 0;
+    std::tuple<A...> t{take<A>(buf, off)...};   // braced init: evaluated left to right
+    std::apply(k, t);
+}
+// 0 = every block ran to the end; 1 = a block deadlocked (fibers waiting at barriers nobody else reaches)
+inline int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned nt, std::function<void()> fn) {
+    blockDim = {nt, 1, 1}; gridDim = {gx, gy, gz}; body = std::move(fn);
+    ctx.assign(nt, ucontext_t{}); jumps.assign(nt, Jump{}); done.assign(nt, 0); started.assign(nt, 0);
+    while (stacks.size() < nt) stacks.emplace_back(new char[STACK]);
+    getcontext(&start_ctx);
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
+        blockIdx = {x, y, z};
+        block_group = Group{0, nt, 0};
+        warp_groups.assign((nt + 31) / 32, Group{});
+        for (unsigned w = 0; w < warp_groups.size(); ++w) warp_groups[w].size = std::min(32u, nt - 32 * w);
+        for (unsigned t = 0; t < nt; ++t) {
+            ctx[t] = start_ctx;
+            ctx[t].uc_stack.ss_sp = stacks[t].get(); ctx[t].uc_stack.ss_size = STACK; ctx[t].uc_link = nullptr;
+            makecontext(&ctx[t], fiber_main, 0);
+            done[t] = 0; started[t] = 0;
+        }
+        unsigned alive = nt;
+        while (alive) {
+            const unsigned long long before = events;
+            for (unsigned t = 0; t < nt; ++t) {
+                if (done[t]) continue;
+                cur = t; threadIdx = {t, 0, 0};
+                if (!_setjmp(sched)) {
+                    if (!started[t]) { started[t] = 1; ucontext_t here; swapcontext(&here, &ctx[t]); }
+                    else _longjmp(jumps[t].b, 1);
+                }
+                if (done[t]) --alive;
+            }
+            if (alive && events == before) return 1;
+        }
+    }
+    return 0;
+}
+}  // namespace emu
+inline void __syncthreads() { emu::wait(emu::block_group); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::warp_groups[threadIdx.x / 32]); }
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+    emu::xchg[w][l] = v; __syncwarp();
+    const float r = emu::xchg[w][l ^ off]; __syncwarp();
+    return r;
+}
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+"""
+
+# Stand-in for <cuda_bf16.h>: storage and the bf16 -> float conversions (exact: bf16 is float's top half).
+EMU_BF16 = r"""
+#pragma once
+#include <cstdint>
+#include <cstring>
+struct __nv_bfloat16 { uint16_t x; };
+struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline float __bfloat162float(__nv_bfloat16 h) { uint32_t u = uint32_t(h.x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+"""
+
+
+def emulator_library(spec):
+    """Build (or fetch from the cache) the C++ emulation of `spec`'s entries; returns a ctypes.CDLL.
+
+    Raises k3cuda.build.BuildError (with g++'s output) when the kernel does not build under the shim.
+    """
+    import ctypes
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from .build import BuildError, KERNEL_DIR, cache_dir, source_closure
+
+    gxx = shutil.which("g++")
+    if not gxx:
+        raise BuildError("g++ not found on PATH (the CPU emulation of the kernels needs it)")
+    driver = ['#include "emu_shim.h"', f'#include "{spec.path}"']
+    for e in spec.entries:
+        driver.append(f'extern "C" int emu_{e.name}(unsigned gx, unsigned gy, unsigned gz, unsigned nt, '
+                      f'const char* buf) {{ return emu::run_grid(gx, gy, gz, nt, [buf] {{ emu::invoke(&{e.name}, buf); }}); }}')
+    driver_src = "\n".join(driver) + "\n"
+    flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-Wno-attributes",
+             *(f"-D{d}" for d in spec.defines)]
+    h = hashlib.sha256((EMU_SHIM + EMU_BF16 + driver_src + " ".join(flags)).encode())
+    for name, data in source_closure(spec.path):
+        h.update(Path(name).name.encode() + b"\0" + data)
+    lib = cache_dir() / "emu" / f"{spec.block}-{h.hexdigest()[:24]}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="k3emu-") as tmp:
+            (Path(tmp) / "emu_shim.h").write_text(EMU_SHIM)
+            (Path(tmp) / "cuda_bf16.h").write_text('#include "emu_shim.h"\n' + EMU_BF16)
+            (Path(tmp) / "driver.cpp").write_text(driver_src)
+            out = Path(tmp) / "lib.so"
+            cmd = [gxx, *flags, f"-I{tmp}", f"-I{KERNEL_DIR}", "-o", str(out), str(Path(tmp) / "driver.cpp")]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise BuildError(f"the CPU emulation of {spec.source} does not build:\n{run.stderr.strip()[:2000]}")
+            shutil.move(str(out), lib)
+    return ctypes.CDLL(str(lib))
+
+
+class HostArray:
+    """A host ndarray standing in for a pycuda GPUArray (gpudata = its address; get/set copy)."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = np.array(a, order="C", copy=True)
+
+    @property
+    def gpudata(self) -> int:
+        return self.a.ctypes.data
+
+    dtype = property(lambda self: self.a.dtype)
+    shape = property(lambda self: self.a.shape)
+    size = property(lambda self: self.a.size)
+
+    def get(self) -> np.ndarray:
+        return self.a.copy()
+
+    def set(self, x) -> None:
+        x = np.asarray(x)
+        if x.shape != self.a.shape or x.dtype != self.a.dtype:
+            raise ValueError(f"set: expected {self.a.shape} {self.a.dtype}, found {x.shape} {x.dtype}")
+        np.copyto(self.a, x)
+
+
+class cpu_emulation:
+    """Context manager: k3cuda.runtime's buffers become HostArrays and launches run the C++ emulation."""
+
+    SM_COUNT = 132  # what multiprocessor_count() answers (an H200's)
+
+    def __enter__(self):
+        import ctypes
+        import struct
+
+        from . import runtime
+
+        libs: dict = {}
+
+        def bind(spec, entry, grid, args, shared=0):
+            if shared:
+                raise NotImplementedError("dynamic shared memory is not emulated")
+            e = spec.entry(entry)
+            grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+            if min(grid) < 1:
+                raise ValueError(f"{spec.block}/{entry}: grid {grid} has an empty dimension")
+            if spec not in libs:   # keyed by the whole spec: a test may swap in a mutant source
+                libs[spec] = emulator_library(spec)
+            fn = getattr(libs[spec], f"emu_{entry}")
+            fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_char_p]
+            fn.restype = ctypes.c_int
+            buf = struct.pack(e.arg_format, *args)   # native alignment, as PyCUDA's prepared_call packs
+
+            def run():
+                if fn(*grid, e.block_threads, buf):
+                    raise RuntimeError(f"{spec.block}/{entry} (CPU emulation): a block deadlocked at a barrier")
+
+            return run
+
+        def empty_poisoned(shape, dtype=np.float32):
+            return HostArray(np.full(tuple(int(s) for s in shape), np.nan, dtype))
+
+        def poison(a):
+            a.a[...] = np.nan
+
+        patches = {
+            "bind": bind,
+            "launch": lambda spec, entry, grid, args, shared=0: bind(spec, entry, grid, args, shared)(),
+            "to_device": lambda a, dtype=np.float32: HostArray(np.ascontiguousarray(a, dtype=dtype)),
+            "empty_poisoned": empty_poisoned,
+            "poison": poison,
+            "multiprocessor_count": lambda: self.SM_COUNT,
+        }
+        self._runtime = runtime
+        self._saved = {name: getattr(runtime, name) for name in patches}
+        for name, fn in patches.items():
+            setattr(runtime, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(self._runtime, name, fn)
+        return False
