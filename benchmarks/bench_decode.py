@@ -7,30 +7,15 @@ Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_decode.py -q -s
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
+from conformance.speed import copy_bandwidth, one_blas_thread
 from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
 from k3ref.weights import inventory
 
 DECODE_FLOOR_TARGET = 2.0  # issue 3: one-token decode within 2x of the memory floor
-
-
-def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Bytes/s of a large np.copyto (bytes read + written), best of `repeats`."""
-    src = np.ones(nbytes // 8)
-    dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-    return 2 * src.nbytes / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def decode_bytes(model: K3CpuModel, context: int) -> int:
@@ -74,12 +59,13 @@ def test_small_decode_vs_memory_floor(benchmark, small_model):
         forward_token(model, 7, state["pos"], cache, seq=seq)
         state["pos"] += 1
 
-    benchmark.pedantic(step, rounds=8, iterations=1)
-    bw = copy_bandwidth()
+    with one_blas_thread() as blas:
+        benchmark.pedantic(step, rounds=8, iterations=1)
+        bw = copy_bandwidth()
     t = benchmark.stats.stats.median
     floor = decode_bytes(model, state["pos"]) / bw
     ratio = t / floor
     benchmark.extra_info.update(tokens_per_s=1 / t, floor_s=floor, ratio_to_floor=ratio, copy_gb_s=bw / 1e9)
-    print(f"\nsmall decode: {1 / t:.2f} tok/s, {t * 1e3:.1f} ms/token, floor {floor * 1e3:.1f} ms "
+    print(f"\n{blas}; small decode: {1 / t:.2f} tok/s, {t * 1e3:.1f} ms/token, floor {floor * 1e3:.1f} ms "
           f"({decode_bytes(model, state['pos']) / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s), ratio {ratio:.2f}x "
           f"(target <= {DECODE_FLOOR_TARGET}x)")

@@ -12,64 +12,20 @@ Run: .venv/bin/python -m pytest benchmarks/bench_kda.py -q -s
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from conformance.speed import copy_bandwidth, one_blas_thread
+from conformance.speed import timed as _timed
 from k3ref.kda import kda_chunked, kda_decode_core, kda_gate, kda_recurrent
 
 CHUNKED_SPEEDUP_MIN = 2.0   # the chunked prefill must beat the recurrent one by this factor
 DECODE_FLOOR_TARGET = 3.0   # decode core time over the memory floor (target; printed, see test docstring)
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def copy_bandwidth(nbytes: int = 1 << 27, repeats: int = 5) -> float:
-    """Bytes/s of a large np.copyto (bytes read + written), best of `repeats`."""
-    src = np.ones(nbytes // 8)
-    dst = np.empty_like(src)
-    return 2 * src.nbytes / min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-
-
-@contextlib.contextmanager
-def one_blas_thread():
-    """Run OpenBLAS on one thread inside the block (restored after): on a small shared box a threaded sgemm
-    spin-waits for a busy core and one run can take 10x another, which says nothing about the algorithm."""
-    try:
-        maps = open("/proc/self/maps").read()                        # Linux: the loaded shared objects
-    except OSError:
-        maps = ""
-    libs = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", maps)))
-    fns = None
-    for path in libs:
-        lib = ctypes.CDLL(path)
-        for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "")):
-            if hasattr(lib, f"{prefix}set_num_threads{suffix}"):
-                fns = getattr(lib, f"{prefix}set_num_threads{suffix}"), getattr(lib, f"{prefix}get_num_threads{suffix}")
-                break
-        if fns:
-            break
-    if fns is None:
-        yield "BLAS threads unchanged (no OpenBLAS found)"
-        return
-    before = fns[1]()
-    fns[0](1)
-    try:
-        yield f"OpenBLAS on 1 thread (was {before})"
-    finally:
-        fns[0](before)
 
 
 def _prefill_inputs(B=1, T=1024, H=4, K=128, V=128, seed=0):

@@ -63,18 +63,10 @@ _COPY_BW: list[float] = []
 def numpy_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """Bytes/s of a large np.copyto (read + write counted), measured once per process, best of `repeats`."""
     if not _COPY_BW:
-        src = np.ones(nbytes // 8)
-        dst = np.empty_like(src)
-        np.copyto(dst, src)
-        best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-        _COPY_BW.append(2 * nbytes / best)
+        from .speed import copy_bandwidth
+
+        _COPY_BW.append(copy_bandwidth(nbytes, repeats))
     return _COPY_BW[0]
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 @dataclasses.dataclass

@@ -23,7 +23,6 @@ import numpy as np
 from k3ref.config import K3Config
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, forward_one_layer
 from k3ref.kda import KdaState
-from k3ref.layer import MixerKind, MlpKind
 
 from . import backends, gates
 from .cases import Case, Content, cast, register_kind

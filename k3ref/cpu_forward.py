@@ -64,7 +64,7 @@ class K3CpuModel:
         """Deterministic synthetic weights (k3ref.weights.synthetic_weights)."""
         from .weights import synthetic_weights
 
-        return cls(cfg, synthetic_weights(cfg, seed), dtype)
+        return cls(cfg, synthetic_weights(cfg, seed, dtype), dtype)
 
     @classmethod
     def from_checkpoint(cls, path, cfg=None, dtype=np.float32) -> "K3CpuModel":

@@ -43,7 +43,7 @@ def situ_glu(gate: np.ndarray, up: np.ndarray, beta: float = 4.0, linear_beta: f
     """
     gate = as_float("gate", gate)
     up = as_float("up", up)
-    require(gate.ndim >= 1, f"gate: expected shape [..., I], found a scalar")
+    require(gate.ndim >= 1, "gate: expected shape [..., I], found a scalar")
     check_shape("up", up, gate.shape)
     dt = np.result_type(gate.dtype, up.dtype)
     gate, up = gate.astype(dt, copy=False), up.astype(dt, copy=False)

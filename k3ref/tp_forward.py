@@ -10,7 +10,6 @@ rank 0's copy). The result must equal the TP = 1 forward.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
