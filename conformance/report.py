@@ -49,7 +49,7 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
     """The first failure, a case x backend table (worst relative RMS error per cell), skipped backends."""
     console = console or Console(width=None if _isatty() else 160)
     style = "bold red" if report.failures else "bold green"
-    console.print(report.first_failure_line(), style=style, highlight=False, soft_wrap=True)
+    console.print(report.first_failure_line(), style=style, highlight=False, markup=False, soft_wrap=True)
     cases, backends, cells = _grid(report)
     table = Table(title=f"k3conf run ({report.config}): worst relative RMS error per case and backend",
                   title_justify="left")
@@ -66,17 +66,17 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
     console.print(table)
     for b in report.backends:
         if not b["available"]:
-            console.print(f"skipped {b['name']}: {b['reason']}", style="yellow", highlight=False)
+            console.print(f"skipped {b['name']}: {b['reason']}", style="yellow", highlight=False, markup=False)
     for note in baseline_notes(report):
-        console.print(note, style="yellow", highlight=False)
+        console.print(note, style="yellow", highlight=False, markup=False)
     fails = report.failures
     for r in fails[:20]:
-        console.print(f"  {r.case} on {r.backend}: {_why(r)}", style="red", highlight=False)
+        console.print(f"  {r.case} on {r.backend}: {_why(r)}", style="red", highlight=False, markup=False)
     if len(fails) > 20:
         console.print(f"  ... and {len(fails) - 20} more (see the report files)", style="red")
     n_pass = len(report.results) - len(fails)
     console.print(f"{n_pass} of {len(report.results)} (case, backend) results passed in {report.wall_seconds:.1f} s",
-                  highlight=False)
+                  highlight=False, markup=False)
 
 
 def _isatty() -> bool:

@@ -303,7 +303,8 @@ def _unit_lower_inverse(M, sub):
 def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=False, chunk_size=64):
     """The same recurrence as `kda_recurrent`, chunk by chunk with the WY/UT transform (fla `naive_chunk_kda`).
 
-    Shapes as `kda_recurrent`; any T (the sequence is padded to whole chunks with g = 0, k = q = v = 0,
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state [B, H, K, V] -> (o [B, T, H, V],
+    final state [B, H, K, V]), as `kda_recurrent`; any T (the sequence is padded to whole chunks with g = 0, k = q = v = 0,
     beta = 0, which leaves the state unchanged). Within a chunk of L tokens, with G_i = sum_{s<=i} g_s
     (cumulative log-decay from the chunk start, per key channel) and S0 the state entering the chunk:
         A_ij   = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)     (i > j)     key-key
