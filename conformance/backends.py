@@ -265,6 +265,7 @@ BACKENDS: dict[str, Callable[[], object]] = {
     "numpy32": lambda: NumpyBackend("numpy32", "fp32"),
     "torch": lambda: LazyBackend("torch", "fp32", _torch("torch")),
     "torch-bf16": lambda: LazyBackend("torch-bf16", "bf16", _torch("torch-bf16")),
+    "torch64": lambda: LazyBackend("torch64", "fp64", _torch("torch64")),
     "cuda": lambda: LazyBackend("cuda", "fp32", CudaBackend),
 }
 _CACHE: dict[str, object] = {}

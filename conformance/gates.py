@@ -151,10 +151,12 @@ class SpeedResult:
     target_time_ratio: float | None
     passed: bool | None
     note: str
+    baseline: str | None = None     # the backend time_ratio is relative to
 
 
 def judge_speed(block: str, backend: str, seconds: float, bytes_moved: int, copy_bw: float | None,
-                baseline_seconds: float | None, target_bw: float | None = None) -> SpeedResult:
+                baseline_seconds: float | None, target_bw: float | None = None,
+                baseline: str | None = None) -> SpeedResult:
     """Speed ratios and, where a target exists, the verdict.
 
     target_bw: a target from the backend itself (cuda: BenchCase.target_bw_ratio); SPEED_TARGETS rows win.
@@ -169,4 +171,4 @@ def judge_speed(block: str, backend: str, seconds: float, bytes_moved: int, copy
         checks.append(time_ratio <= t_time)
     passed = all(checks) if checks else None
     note = reason if checks else "report only (no target for this block and backend)"
-    return SpeedResult(seconds, bytes_moved, bw_ratio, time_ratio, t_bw, t_time, passed, note)
+    return SpeedResult(seconds, bytes_moved, bw_ratio, time_ratio, t_bw, t_time, passed, note, baseline)

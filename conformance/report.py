@@ -127,13 +127,19 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def versus(t) -> str:
+    """' (0.7x the torch-bf16 baseline)' when the row is baseline-relative and the baseline erred; else ''."""
+    m = t.baseline_multiple
+    return "" if m is None else f" ({m:.2g}x the {t.baseline} baseline)"
+
+
 def speed_text(sp) -> str:
     """'35 us, 0.012 of copy bw, 0.73x baseline time[, PASS/FAIL vs target]'."""
     parts = [f"{sp.seconds * 1e6:.0f} us"]
     if sp.bw_ratio is not None:
         parts.append(f"{sp.bw_ratio:.3g} of copy bw")
     if sp.time_ratio is not None:
-        parts.append(f"{sp.time_ratio:.3g}x baseline time")
+        parts.append(f"{sp.time_ratio:.3g}x {sp.baseline or 'baseline'} time")
     if sp.passed is not None:
         parts.append(("PASS" if sp.passed else "FAIL") + f" ({sp.note})")
     return ", ".join(parts)
@@ -155,7 +161,7 @@ def markdown(report: RunReport) -> str:
             c = t.comparison
             worst = "-" if c.worst_index is None else f"{list(c.worst_index)}: {c.worst_out:.6g} vs {c.worst_ref:.6g}"
             lines.append(f"| {r.case} | {r.backend} | {'pass' if t.passed else 'FAIL'} | {t.tensor} | {_fmt(c.max_abs)} | "
-                         f"{_fmt(c.rel_rms)} | {_fmt(t.verdict.bound)} | {c.passed_line} | {worst} | {sp} |")
+                         f"{_fmt(c.rel_rms)}{versus(t)} | {_fmt(t.verdict.bound)} | {c.passed_line} | {worst} | {sp} |")
     lines += ["", "## Gate rows used", "", "| block | tensor | precision | cap | k | floor | reason |", "|---|---|---|---|---|---|---|"]
     used = {}
     for r in report.results:
@@ -207,7 +213,7 @@ def html_report(report: RunReport) -> str:
             c = t.comparison
             st = "pass" if t.passed else "fail"
             out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>{e(t.tensor)}</td><td class='{st}'>{st}</td>"
-                       f"<td>{_fmt(c.max_abs)}</td><td>{_fmt(c.rel_rms)}</td><td>{_fmt(t.verdict.bound)}</td>"
+                       f"<td>{_fmt(c.max_abs)}</td><td>{_fmt(c.rel_rms)}{e(versus(t))}</td><td>{_fmt(t.verdict.bound)}</td>"
                        f"<td>{e(c.passed_line)}</td><td>{e(t.verdict.why)}</td>"
                        f"<td>{'-' if r.speed is None else e(speed_text(r.speed))}</td></tr>")
     out.append("</table></body></html>\n")

@@ -26,7 +26,9 @@ from .cases import Case, kind_of
 from .compare import Comparison, compare
 from .goldens import GoldenError, load_manifest, read_golden
 
-TIME_BASELINE = {"fp64": "numpy64", "fp32": "numpy32", "bf16": "torch-bf16"}
+# The speed baseline is PyTorch eager doing the same math at the same precision (issue 5): on the CPU numpy
+# vs torch per block, on a GPU the kernels vs torch eager on the same device.
+TIME_BASELINE = {"fp64": "torch64", "fp32": "torch", "bf16": "torch-bf16"}
 _LAYER = re.compile(r"layer[._-]?(\d+)")
 
 
@@ -45,6 +47,13 @@ class TensorResult:
     layer: int | None = None             # trace tensors: the layer index (per-layer error plot)
 
     @property
+    def baseline_multiple(self) -> float | None:
+        """This tensor's error over the same-precision baseline's ("0.7x the bf16 baseline"), when both exist."""
+        if self.baseline_err is None or self.baseline_err <= 0 or self.comparison.exact:
+            return None
+        return self.comparison.rel_rms / self.baseline_err
+
+    @property
     def passed(self) -> bool:
         return self.verdict.passed
 
@@ -53,7 +62,7 @@ class TensorResult:
             "tensor": self.tensor, "block": self.block, "passed": self.passed, "layer": self.layer,
             "comparison": self.comparison.to_dict(), "gate": {"key": list(self.gate_key), **dataclasses.asdict(self.gate)},
             "bound": self.verdict.bound, "rule": self.verdict.why,
-            "baseline": self.baseline, "baseline_err": self.baseline_err,
+            "baseline": self.baseline, "baseline_err": self.baseline_err, "baseline_multiple": self.baseline_multiple,
         }
 
 
@@ -207,7 +216,8 @@ class _Runner:
                 self.times[(case.name, base)] = None if bt is None else bt[0]
             base_s = self.times[(case.name, base)]
         target = getattr(backend, "speed_target", lambda block: None)(case.block)
-        return gates.judge_speed(case.block, backend.name, t[0], t[1], self.copy_bw[backend.name], base_s, target)
+        return gates.judge_speed(case.block, backend.name, t[0], t[1], self.copy_bw[backend.name], base_s, target,
+                                 baseline=base if base_s else None)
 
     def run_one(self, case: Case, backend) -> CaseResult:
         t0 = time.perf_counter()
