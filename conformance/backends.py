@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from k3ref.cores import Cores, reference_cores
+from k3ref.cores import CORE_NAMES, Cores, reference_cores
 
 
 @dataclasses.dataclass
@@ -169,6 +169,52 @@ class CudaBackend:
         return max(targets) if targets else None
 
 
+
+class CudaEmuBackend(CudaBackend):
+    """k3cuda's kernels run by the g++ emulation in k3cuda.testing: no GPU needed.
+
+    The real .cu sources, the wrappers and their argument packing run, block by block and thread by thread on
+    the CPU, so a wrong index, reduction or combine shows here; GPU rounding of fused multiply-adds, races
+    and speed do not (no timing). A core given shapes its kernel is not built for is a skipped case.
+    """
+
+    name = "cuda-emu"
+    precision = "fp32"
+
+    def available(self) -> tuple[bool, str]:
+        import shutil
+
+        if shutil.which("g++") is None:
+            return False, "g++ not found on PATH (the CPU emulation of the kernels compiles them as C++)"
+        if getattr(self._k3cuda, "cuda_cores", None) is None:
+            return False, "k3cuda.cuda_cores() is missing (reinstall: pip install -e .)"
+        return True, ""
+
+    def cores(self) -> Cores:
+        from k3cuda.testing import cpu_emulation
+
+        base = reference_cores()
+        kernels = self._k3cuda.cuda_cores(base)
+
+        def emulated(fn):
+            def call(*args, **kwargs):
+                with cpu_emulation():
+                    return fn(*args, **kwargs)
+            return call
+
+        return kernels.replace(**{n: emulated(getattr(kernels, n)) for n in CORE_NAMES
+                                  if getattr(kernels, n) is not getattr(base, n)})
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        return None  # emulated time says nothing about the GPU
+
+    def copy_bandwidth(self) -> float | None:
+        return None
+
+    def speed_target(self, block: str) -> float | None:
+        return None
+
+
 # --------------------------------------------------------------------------------------------------
 # mutants: numpy64 with one deliberately wrong core
 
@@ -267,6 +313,7 @@ BACKENDS: dict[str, Callable[[], object]] = {
     "torch-bf16": lambda: LazyBackend("torch-bf16", "bf16", _torch("torch-bf16")),
     "torch64": lambda: LazyBackend("torch64", "fp64", _torch("torch64")),
     "cuda": lambda: LazyBackend("cuda", "fp32", CudaBackend),
+    "cuda-emu": lambda: LazyBackend("cuda-emu", "fp32", CudaEmuBackend),
 }
 _CACHE: dict[str, object] = {}
 

@@ -34,6 +34,7 @@ from k3ref.cores import Cores, reference_cores
 GENERATOR_VERSION = "k3conf-cases/1"   # bump when the data or the way a golden is computed changes
 CONFIGS = ("tiny", "small")
 PLUGIN_MODULES = ("conformance.traces",)   # kinds registered by other modules, imported when present
+NOTES_KEY = "__notes__"   # evaluate() may return notes (a list of str) under this key, shown with the result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,9 @@ class CaseKind(Protocol):
         """The float64 golden content: inputs (+ weights, inter) and outputs computed by k3ref."""
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
-        """Run `backend` on the golden's inputs; return outputs by name (without the 'outputs.' prefix)."""
+        """Run `backend` on the golden's inputs; return outputs by name (without the 'outputs.' prefix).
+
+        May add NOTES_KEY: a list of lines the report shows with the result (e.g. cores that fell back)."""
 
     def block_of(self, case: Case, tensor: str) -> str:
         """The block a tensor belongs to (gate row and the name in a first-failure line)."""

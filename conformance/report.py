@@ -61,7 +61,8 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         for b in backends:
             r = cells.get((c, b))
             text = "-" if r is None else _cell(r)
-            row.append(f"[{'green' if r is not None and r.status == 'pass' else 'red'}]{text}[/]")
+            color = {"pass": "green", "skip": "yellow"}.get(getattr(r, "status", None), "red")
+            row.append(f"[{color}]{text}[/]")
         table.add_row(*row)
     console.print(table)
     for b in report.backends:
@@ -86,9 +87,11 @@ def _isatty() -> bool:
 
 
 def baseline_notes(report: RunReport) -> list[str]:
-    """One line per precision whose baseline could not run (its rows used the absolute cap alone)."""
+    """One line per precision whose baseline could not run (its rows used the absolute cap alone), and the
+    notes of the results (e.g. a trace core that fell back to the reference)."""
     notes = set()
     for r in report.results:
+        notes.update(f"{r.case} on {r.backend}: {n}" for n in r.notes)
         for t in r.tensors:
             if t.baseline is not None and t.baseline_err is None and not t.comparison.exact:
                 notes.add(f"baseline {t.baseline} unavailable for {r.precision}: the absolute cap alone applied")
@@ -96,7 +99,7 @@ def baseline_notes(report: RunReport) -> list[str]:
 
 
 def _why(r: CaseResult) -> str:
-    if r.status == "error":
+    if r.status in ("error", "skip"):
         return r.error
     t = r.first_failing
     if t is None:
@@ -154,8 +157,8 @@ def markdown(report: RunReport) -> str:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.results:
         sp = "-" if r.speed is None else speed_text(r.speed)
-        if r.status == "error":
-            lines.append(f"| {r.case} | {r.backend} | ERROR | - | - | - | - | - | {r.error.replace('|', '/')} | - |")
+        if r.status in ("error", "skip"):
+            lines.append(f"| {r.case} | {r.backend} | {r.status.upper()} | - | - | - | - | - | {r.error.replace('|', '/')} | - |")
             continue
         for t in r.tensors:
             c = t.comparison
@@ -178,7 +181,7 @@ _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.3em} .first{padding:.6em;border-radius:4px;font-weight:bold}
 .bad{background:#fde2e2;color:#8b0000} .good{background:#e3f6e3;color:#1d5e1d}
 table{border-collapse:collapse;font-size:.85em;margin:1em 0} td,th{border:1px solid #ccc;padding:2px 6px}
-th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold}
+th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold} td.skip{color:#8a6d00}
 .note{color:#8a6d00} svg{background:#fff;border:1px solid #ddd;margin:.5em 0}"""
 
 

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from k3ref.cores import UnsupportedShape
+
 from . import gates
 from .backends import get_backend
-from .cases import Case, kind_of
+from .cases import NOTES_KEY, Case, kind_of
 from .compare import Comparison, compare
 from .goldens import GoldenError, load_manifest, read_golden
 
@@ -68,7 +70,10 @@ class TensorResult:
 
 @dataclasses.dataclass
 class CaseResult:
-    """One (case, backend): status pass | fail | error, the tensors, an error message, speed."""
+    """One (case, backend): status pass | fail | error | skip, the tensors, an error message, speed.
+
+    skip: the backend's core raised UnsupportedShape (valid inputs it is not built for); `error` says why.
+    notes: what a kind reports beside the numbers (a model trace: cores that fell back to the reference)."""
 
     case: str
     block: str
@@ -79,6 +84,7 @@ class CaseResult:
     error: str = ""
     speed: gates.SpeedResult | None = None
     seconds: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def first_failing(self) -> TensorResult | None:
@@ -94,7 +100,7 @@ class CaseResult:
     def to_dict(self) -> dict:
         return {
             "case": self.case, "block": self.block, "backend": self.backend, "precision": self.precision,
-            "status": self.status, "error": self.error, "seconds": self.seconds,
+            "status": self.status, "error": self.error, "seconds": self.seconds, "notes": self.notes,
             "tensors": [t.to_dict() for t in self.tensors],
             "speed": None if self.speed is None else dataclasses.asdict(self.speed),
         }
@@ -112,7 +118,7 @@ class RunReport:
 
     @property
     def failures(self) -> list[CaseResult]:
-        return [r for r in self.results if r.status != "pass"]
+        return [r for r in self.results if r.status not in ("pass", "skip")]
 
     @property
     def first_failure(self) -> CaseResult | None:
@@ -232,11 +238,15 @@ class _Runner:
         except GoldenError as e:
             res.status, res.error = "error", str(e)
             return res
+        except UnsupportedShape as e:
+            res.status, res.error = "skip", f"unsupported by {backend.name}: {e}"
+            return res
         except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
             where = traceback.extract_tb(e.__traceback__)[-1]
             res.status = "error"
             res.error = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
             return res
+        res.notes = [str(n) for n in outs.pop(NOTES_KEY, [])]
         if backend.name == gates.BASELINE.get(backend.precision):   # the baseline itself: no second run
             self.errors[(case.name, backend.name)] = {
                 t: compare(outs[t], ref).rel_rms for t, ref in golden.group("outputs").items() if t in outs}

@@ -25,7 +25,7 @@ from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, f
 from k3ref.kda import KdaState
 
 from . import backends, gates
-from .cases import Case, Content, cast, register_kind
+from .cases import NOTES_KEY, Case, Content, cast, register_kind
 
 PROMPT = (5, 17, 3, 42, 8, 1, 60)
 DECODE_STEPS = 5
@@ -164,6 +164,27 @@ class _GoldenFeed:
             cache.set_kda_state(layer, seq, KdaState(f["conv_q"], f["conv_k"], f["conv_v"], f["recurrent"]))
 
 
+def _with_fallback(cores):
+    """The backend's cores, each falling back to the reference core on UnsupportedShape (a kernel built for
+    K3's head_dim 128 inside the toy model); the returned dict collects which fell back and why."""
+    from k3ref.cores import CORE_NAMES, UnsupportedShape, reference_cores
+
+    ref, fallbacks = reference_cores(), {}
+
+    def guarded(name, fn):
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except UnsupportedShape as e:
+                fallbacks[name] = str(e)
+                return getattr(ref, name)(*args, **kwargs)
+        return call
+
+    swaps = {n: guarded(n, getattr(cores, n)) for n in CORE_NAMES
+             if n != "attnres_hub" and getattr(cores, n) is not getattr(ref, n)}
+    return cores.replace(**swaps), fallbacks
+
+
 class TraceKind:
     """`trace/*`: the tiny model through every layer with the backend's cores (see the module docstring)."""
 
@@ -197,7 +218,10 @@ class TraceKind:
         p = backend.precision
         model = K3CpuModel(cfg, _cast_weights(golden.group("weights"), p), _compute_dtype(p))
         feed = _GoldenFeed(golden.group("inter"), p) if golden.kwargs["mode"] == "layerwise" else None
-        return _Stepper(model, backend.cores(), feed).run(golden.group("inputs")["tokens"])
+        cores, fallbacks = _with_fallback(backend.cores())
+        out = _Stepper(model, cores, feed).run(golden.group("inputs")["tokens"])
+        out[NOTES_KEY] = [f"{core}: the reference core ran instead ({why})" for core, why in sorted(fallbacks.items())]
+        return out
 
     def block_of(self, case: Case, tensor: str) -> str:
         m = re.match(r"step(\d+)\.layer(\d+)\.(\d)_", tensor)

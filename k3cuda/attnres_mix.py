@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from k3ref._check import as_float, check_shape, require
+from k3ref.cores import require_supported
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -33,7 +34,7 @@ def check_inputs(sources, proj_w, norm_w, mix, eps):
     V = as_float("sources", sources)
     require(V.ndim >= 2, f"sources: expected shape [S, ..., D], found {V.shape}")
     S, D = V.shape[0], V.shape[-1]
-    require(1 <= S <= MAX_SOURCES,
+    require_supported(1 <= S <= MAX_SOURCES,
             f"sources: expected 1 <= S <= {MAX_SOURCES} depth sources (the kernel's limit), found S={S}")
     pw = as_float("proj_w", proj_w)
     require(pw.shape in ((D,), (1, D)), f"proj_w: expected shape [{D}] or [1, {D}], found {pw.shape}")

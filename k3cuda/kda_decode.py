@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3ref._check import as_float, check_shape, require
+from k3ref.cores import require_supported
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -44,7 +45,7 @@ def _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state):
     check_shape("dt_bias", dt_bias, (H * K,))
     check_shape("state", state, (B, H, K, V))
     require(B <= 65535 and H <= 65535, f"q: expected B, H <= 65535 (grid z and y), found B={B}, H={H}")
-    require(K == HEAD_DIM and V == HEAD_DIM,
+    require_supported(K == HEAD_DIM and V == HEAD_DIM,
             f"kda_decode (CUDA): expected K = V = {HEAD_DIM}, found K={K}, V={V} "
             "(the kernel is built for K3's head_dim; use the k3ref core for other sizes)")
     f32 = [np.ascontiguousarray(a, np.float32) for a in (q, k, v, g_raw, beta_raw, A_log[:H], dt_bias, state)]

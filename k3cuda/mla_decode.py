@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from k3ref._check import as_float, check_shape, require
+from k3ref.cores import require_supported
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -72,7 +73,7 @@ def check_inputs(q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank):
     require(isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0,
             f"scale: expected a positive finite float, found {scale!r}")
     R, P = int(kv_rank), W - int(kv_rank)
-    require(R <= MAX_R and R % 4 == 0 and P <= MAX_P and P % 2 == 0,
+    require_supported(R <= MAX_R and R % 4 == 0 and P <= MAX_P and P % 2 == 0,
             f"mla_decode (CUDA): expected kv_rank R <= {MAX_R} with R % 4 == 0 and rope width P = W - R <= {MAX_P} "
             f"with P % 2 == 0, found R={R}, P={P}, W={W} (use the k3ref core for other widths)")
     for b in range(B):

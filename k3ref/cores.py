@@ -24,6 +24,17 @@ CORE_NAMES = (
 )
 
 
+class UnsupportedShape(ValueError):
+    """A core's inputs are valid but outside what this implementation handles (e.g. a kernel built for
+    head_dim 128 given head_dim 16). The runner reports the case as skipped for that backend, with the reason."""
+
+
+def require_supported(cond: bool, msg: str) -> None:
+    """Raise UnsupportedShape(msg) unless cond."""
+    if not cond:
+        raise UnsupportedShape(msg)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cores:
     """One callable per heavy step. Build with `reference_cores()` and swap with `.replace(name=fn)`."""

@@ -225,3 +225,35 @@ def test_progress_is_reported_per_result():
     run(select(all_cases("tiny"), SUBSET), ["numpy64", "numpy32"], COMMITTED_ROOT, timing=False,
         progress=lambda done, total, label: seen.append((done, total)))
     assert seen == [(i, 4) for i in range(1, 5)]
+
+
+def _picky(monkeypatch, name: str, precision: str, core: str, why: str) -> None:
+    """Register (for this test only) numpy with `core` raising UnsupportedShape(why)."""
+    from k3ref.cores import UnsupportedShape, reference_cores
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedShape(why)
+
+    monkeypatch.setitem(backends.BACKENDS, name, lambda: NumpyBackend(
+        name, precision, lambda: reference_cores().replace(**{core: refuse})))
+    monkeypatch.setattr(backends, "_CACHE", {})
+
+
+def test_unsupported_shape_is_a_skip_with_its_reason_not_a_failure(monkeypatch):
+    """A kernel built for K3's head_dim given head_dim 16: the case is skipped for that backend, the run passes."""
+    _picky(monkeypatch, "picky", "fp32", "kda_decode", "built for K = V = 128")
+    selected = cases.select(cases.all_cases("tiny"), ["kda_decode/B2-H3-K16", "rmsnorm/T1-D113"])
+    report = run(selected, ["picky"], goldens.COMMITTED_ROOT, timing=False)
+    status = {r.case: (r.status, r.error) for r in report.results}
+    assert status["kda_decode/B2-H3-K16"] == ("skip", "unsupported by picky: built for K = V = 128")
+    assert status["rmsnorm/T1-D113"][0] == "pass"
+    assert report.exit_code == 0
+
+
+def test_trace_falls_back_per_core_and_says_so(monkeypatch):
+    _picky(monkeypatch, "picky-mla", "fp64", "mla_decode", "built for kv_rank 512")
+    selected = cases.select(cases.all_cases("tiny"), ["trace/layerwise-*"])
+    report = run(selected, ["picky-mla"], goldens.COMMITTED_ROOT, timing=False)
+    (result,) = report.results
+    assert result.status == "pass", report.first_failure_line()
+    assert result.notes == ["mla_decode: the reference core ran instead (built for kv_rank 512)"]
