@@ -11,8 +11,9 @@ import math
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref._check import as_float, require
 from k3ref.cores import require_supported
+from k3ref.mla import check_decode_args
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -59,35 +60,15 @@ def check_inputs(q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank):
     dims = dict(B, H, W, R, P, N, page, max_pages).
     """
     q = as_float("q_abs", q_abs)
-    B, H, W = check_shape("q_abs", q, (None, None, None))
     bf16 = _is_bf16(kv_cache)
     kv = np.asarray(kv_cache) if bf16 else as_float("kv_cache", kv_cache, allow_nan=True)
-    N, page, _ = check_shape("kv_cache", kv, (None, None, W))
-    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
-    require(block_table.dtype.kind in "iu", f"block_table: expected an integer array, found dtype {block_table.dtype}")
-    require(seq_lens.dtype.kind in "iu", f"seq_lens: expected an integer array, found dtype {seq_lens.dtype}")
-    max_pages = check_shape("block_table", block_table, (B, None))[1]
-    check_shape("seq_lens", seq_lens, (B,))
-    require(isinstance(kv_rank, (int, np.integer)) and 1 <= kv_rank <= W,
-            f"kv_rank: expected an int in [1, {W}] (cache row width), found {kv_rank!r}")
-    require(isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0,
-            f"scale: expected a positive finite float, found {scale!r}")
+    (B, H, W), _ = check_decode_args(q, kv, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
+    N, page, _ = kv.shape
+    max_pages = np.shape(block_table)[1]
     R, P = int(kv_rank), W - int(kv_rank)
     require_supported(R <= MAX_R and R % 4 == 0 and P <= MAX_P and P % 2 == 0,
             f"mla_decode (CUDA): expected kv_rank R <= {MAX_R} with R % 4 == 0 and rope width P = W - R <= {MAX_P} "
             f"with P % 2 == 0, found R={R}, P={P}, W={W} (use the k3ref core for other widths)")
-    for b in range(B):
-        L = int(seq_lens[b])
-        require(1 <= L <= max_pages * page,
-                f"seq_lens[{b}]: expected 1 <= seq_len <= {max_pages * page} (rows the block table maps: "
-                f"{max_pages} pages of {page}), found {L}")
-        used = block_table[b, : -(-L // page)]
-        require(bool(np.all((used >= 0) & (used < N))),
-                f"block_table[{b}]: expected page ids in [0, {N}) for the {used.size} page(s) of seq_len {L}, "
-                f"found {used.tolist()}")
-        rows = kv[used].reshape(-1, W)[:L]
-        require(bool(np.all(np.isfinite(rows.astype(np.float32)))),
-                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages {used.tolist()}")
     q32 = np.ascontiguousarray(q, np.float32)
     kv_dev = np.ascontiguousarray(kv) if bf16 else np.ascontiguousarray(kv, np.float32)
     dims = dict(B=B, H=H, W=W, R=R, P=P, N=N, page=page, max_pages=max_pages)

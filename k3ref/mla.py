@@ -146,6 +146,42 @@ def absorb_q(q_nope: np.ndarray, q_pe: np.ndarray, W_kvb: np.ndarray, cfg: MlaCo
     return np.concatenate([q_lat, q_pe], axis=-1)
 
 
+def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_lens, *, scale, kv_rank):
+    """Validate the `mla_decode` core's arguments; every implementation (k3ref, k3cuda) calls this.
+
+    q_abs: [B, H, W] and kv_cache: [N_pages, page, W] float arrays (bf16 allowed); block_table: [B, max_pages]
+    int; seq_lens: [B] int in [1, max_pages * page]; the pages a sequence uses are in [0, N_pages) and its
+    rows are finite (slots past seq_len may hold anything). Returns ((B, H, W), pages) with pages[b] the page
+    ids sequence b reads, in order.
+    """
+    B, H, W = check_shape("q_abs", q_abs, (None, None, None))
+    N, page, _ = check_shape("kv_cache", kv_cache, (None, None, W))
+    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
+    require(block_table.dtype.kind in "iu", f"block_table: expected an integer array, found dtype {block_table.dtype}")
+    require(seq_lens.dtype.kind in "iu", f"seq_lens: expected an integer array, found dtype {seq_lens.dtype}")
+    max_pages = check_shape("block_table", block_table, (B, None))[1]
+    check_shape("seq_lens", seq_lens, (B,))
+    require(isinstance(kv_rank, (int, np.integer)) and 1 <= kv_rank <= W,
+            f"kv_rank: expected an int in [1, {W}] (cache row width), found {kv_rank!r}")
+    require(isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0,
+            f"scale: expected a positive finite float, found {scale!r}")
+    pages = []
+    for b in range(B):
+        L = int(seq_lens[b])
+        require(1 <= L <= max_pages * page,
+                f"seq_lens[{b}]: expected 1 <= seq_len <= {max_pages * page} (rows the block table maps: "
+                f"{max_pages} pages of {page}), found {L}")
+        used = block_table[b, : -(-L // page)]
+        require(bool(np.all((used >= 0) & (used < N))),
+                f"block_table[{b}]: expected page ids in [0, {N}) for the {used.size} page(s) of seq_len {L}, "
+                f"found {used.tolist()}")
+        rows = kv_cache[used].reshape(-1, W)[:L]
+        require(bool(np.all(np.isfinite(rows if rows.dtype.kind == "f" else rows.astype(np.float32)))),
+                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages {used.tolist()}")
+        pages.append(used)
+    return (B, H, W), pages
+
+
 def mla_decode_core(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
                     *, scale: float, kv_rank: int) -> np.ndarray:
     """Absorbed MLA decode over a paged latent cache (FlashMLA's decode interface).
@@ -159,32 +195,12 @@ def mla_decode_core(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np.nda
     never read (they may hold NaN); the rows read must be finite.
     """
     q_abs = as_float("q_abs", q_abs)
-    B, H, W = check_shape("q_abs", q_abs, (None, None, None))
     kv_cache = as_float("kv_cache", kv_cache, allow_nan=True)
-    N, page, _ = check_shape("kv_cache", kv_cache, (None, None, W))
-    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
-    require(block_table.dtype.kind in "iu", f"block_table: expected an integer array, found dtype {block_table.dtype}")
-    require(seq_lens.dtype.kind in "iu", f"seq_lens: expected an integer array, found dtype {seq_lens.dtype}")
-    max_pages = check_shape("block_table", block_table, (B, None))[1]
-    check_shape("seq_lens", seq_lens, (B,))
-    require(isinstance(kv_rank, (int, np.integer)) and 1 <= kv_rank <= W,
-            f"kv_rank: expected an int in [1, {W}] (cache row width), found {kv_rank!r}")
-    require(isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0,
-            f"scale: expected a positive finite float, found {scale!r}")
+    (B, H, W), pages = check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
     dt = np.result_type(q_abs.dtype, kv_cache.dtype, np.float32)
     o_lat = np.full((B, H, kv_rank), np.nan, dtype=dt)
     for b in range(B):
-        L = int(seq_lens[b])
-        require(1 <= L <= max_pages * page,
-                f"seq_lens[{b}]: expected 1 <= seq_len <= {max_pages * page} (rows the block table maps: "
-                f"{max_pages} pages of {page}), found {L}")
-        used = block_table[b, : -(-L // page)]
-        require(bool(np.all((used >= 0) & (used < N))),
-                f"block_table[{b}]: expected page ids in [0, {N}) for the {used.size} page(s) of seq_len {L}, "
-                f"found {used.tolist()}")
-        rows = kv_cache[used].reshape(-1, W)[:L].astype(dt, copy=False)
-        require(bool(np.all(np.isfinite(rows))),
-                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages {used.tolist()}")
+        rows = kv_cache[pages[b]].reshape(-1, W)[:int(seq_lens[b])].astype(dt, copy=False)
         s = (q_abs[b].astype(dt, copy=False) @ rows.T) * dt.type(scale)     # [H, L]
         o_lat[b] = ops.softmax(s, axis=-1) @ rows[:, :kv_rank]
     return o_lat
