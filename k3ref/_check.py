@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
-FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-
 
 def as_float(name: str, x, *, allow_nan: bool = False) -> np.ndarray:
-    """Return x as a floating ndarray (float32/float64 kept; ints and bf16 promoted to float32)."""
+    """Return x as a floating ndarray (float32/float64 kept; ints, float16 and bf16 promoted to float32;
+    long double narrowed to float64, never below it).
+
+    Bool, complex and other dtypes raise; so do NaN/Inf unless allow_nan (the message gives the first index).
+    """
     a = np.asarray(x)
     if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
         raise ValueError(f"{name}: expected a real floating array, found dtype {a.dtype}")
     if a.dtype not in (np.float32, np.float64):
-        a = a.astype(np.float32)
+        a = a.astype(np.float64 if a.dtype.kind == "f" and a.dtype.itemsize >= 8 else np.float32)
     if not allow_nan and not np.all(np.isfinite(a)):
         bad = np.argwhere(~np.isfinite(a))[0]
         raise ValueError(f"{name}: expected finite values, found {a[tuple(bad)]} at index {tuple(int(i) for i in bad)}")

@@ -30,8 +30,12 @@ class MlaKv:
         for name, v in (("num_pages", num_pages), ("page_size", page_size), ("width", width)):
             require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
                     f"MlaKv: {name} must be a positive int, found {v!r}")
-        dt = np.dtype(dtype)
-        require(dt.name in _CACHE_DTYPES, f"MlaKv: dtype must be one of {_CACHE_DTYPES}, found {dt.name}")
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        require(dt is not None and dt.name in _CACHE_DTYPES,
+                f"MlaKv: dtype must be one of {_CACHE_DTYPES}, found {repr(dtype) if dt is None else dt.name}")
         self.num_pages, self.page_size, self.width = int(num_pages), int(page_size), int(width)
         self.fill = float(fill)
         self.pages = np.full((self.num_pages, self.page_size, self.width), self.fill, dtype=dt)
@@ -159,9 +163,10 @@ class HybridCache:
     """The decode caches of a whole K3 model for several sequences.
 
     Per MLA layer one paged latent cache (`MlaKv`, rows [c | k_pe], `mla_cfg.cache_width` values per token,
-    pages of `page_size` tokens, one pool shared by the sequences); per KDA layer and sequence one `KdaState`
-    (conv buffers [1, C, W-1] + fp32-or-wider recurrent state [1, H, K, V]). `lengths[seq]` counts the tokens
-    a sequence has consumed; the forward pass checks a token's position against it.
+    pages of `page_size` tokens, which must be the MLA config's 64, one pool shared by the sequences); per KDA
+    layer and sequence one `KdaState` (conv buffers [1, C, W-1] + fp32-or-wider recurrent state [1, H, K, V]).
+    `lengths[seq]` counts the tokens a sequence has consumed; the forward pass checks a token's position
+    against it.
     """
 
     def __init__(self, cfg, *, num_pages: int = 64, page_size: int = 64, dtype=np.float64,
@@ -174,6 +179,11 @@ class HybridCache:
         self.kda_state_dtype = np.dtype(kda_state_dtype or np.result_type(self.dtype, np.float32))
         self._kda_cfg = cfg.kda_config()
         self._mla_cfg = cfg.mla_config()
+        # mla_decode_token checks the cache against the model's MlaConfig: a cache of another page size
+        # would prefill and then fail at the first decode step, so refuse it here.
+        require(page_size == self._mla_cfg.page_size,
+                f"HybridCache: page_size must be the MLA config's page size {self._mla_cfg.page_size} "
+                f"(mla_decode_token checks the cache against it), found {page_size!r}")
         self._KdaState = KdaState
         graph = K3Graph.from_config(cfg)
         self.kda_layers = tuple(s.index for s in graph.layers if s.mixer == MixerKind.KDA)
@@ -200,19 +210,27 @@ class HybridCache:
         require(seq in self.lengths, f"unknown sequence {seq}; open ones: {sorted(self.lengths)}")
         return self.lengths[seq]
 
+    def _kda_key(self, layer: int, seq: int) -> tuple[int, int]:
+        require(layer in self.kda_layers, f"layer: expected a KDA layer {list(self.kda_layers)}, found {layer!r}")
+        self.seq_len(seq)
+        return (layer, seq)
+
     def kda_state(self, layer: int, seq: int):
-        return self.kda[(layer, seq)]
+        """The KdaState of KDA layer `layer` for sequence `seq`."""
+        return self.kda[self._kda_key(layer, seq)]
 
     def set_kda_state(self, layer: int, seq: int, state) -> None:
-        self.kda[(layer, seq)] = state
+        self.kda[self._kda_key(layer, seq)] = state
 
     def advance(self, seq: int, n: int) -> None:
-        """Record that `seq` consumed n more tokens (after every layer has seen them)."""
-        self.lengths[seq] = self.seq_len(seq) + n
+        """Record that `seq` consumed n more tokens (after every layer has seen them); nothing changes on error."""
+        require(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0,
+                f"n: expected an int >= 0, found {n!r}")
+        new_len = self.seq_len(seq) + int(n)
         for layer, kv in self.mla.items():
             got = int(kv.seq_lens([seq])[0])
-            require(got == self.lengths[seq],
-                    f"MLA layer {layer} holds {got} tokens of sequence {seq}, expected {self.lengths[seq]}")
+            require(got == new_len, f"MLA layer {layer} holds {got} tokens of sequence {seq}, expected {new_len}")
+        self.lengths[seq] = new_len
 
     def copy(self) -> "HybridCache":
         """A deep copy (pages, page tables and KDA states)."""

@@ -40,7 +40,8 @@ class MlaConfig:
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
             if f.name.endswith("eps"):
-                require(isinstance(val, (int, float)) and math.isfinite(val) and val > 0,
+                require(isinstance(val, (int, float, np.floating)) and not isinstance(val, bool)
+                        and math.isfinite(val) and val > 0,
                         f"MlaConfig.{f.name}: expected a positive finite float, found {val!r}")
             else:
                 require(isinstance(val, (int, np.integer)) and not isinstance(val, bool) and val >= 1,
@@ -82,7 +83,8 @@ def mla_weight_shapes(cfg: MlaConfig, hidden: int) -> dict[str, tuple[int, ...]]
 
 
 def check_mla_weights(weights: Mapping[str, np.ndarray], cfg: MlaConfig, hidden: int) -> None:
-    """Every MLA weight present with its shape (no data read): callers check before mutating a cache."""
+    """Every MLA weight present with its shape (shapes only, values are not scanned): callers check this
+    before mutating a cache."""
     for name, shape in mla_weight_shapes(cfg, hidden).items():
         require(name in weights, f"weights: missing '{name}' (expected shape {shape})")
         check_shape(f"weights['{name}']", weights[name], shape)

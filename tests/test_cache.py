@@ -122,6 +122,7 @@ def test_bf16_pages_round_rows():
     pytest.param(lambda c, s: MlaKv(0), r"num_pages must be a positive int", id="no-pages"),
     pytest.param(lambda c, s: MlaKv(2, page_size=2.5), r"page_size", id="page-float"),
     pytest.param(lambda c, s: MlaKv(2, dtype=np.int32), r"dtype must be one of", id="int-dtype"),
+    pytest.param(lambda c, s: MlaKv(2, dtype="no-such-type"), r"dtype must be one of .*'no-such-type'", id="bad-dtype"),
 ])
 def test_bad_input_raises(call, match):
     cache = MlaKv(2, page_size=2, width=3)
@@ -156,3 +157,36 @@ def test_matches_a_list_model(ops, page):
         assert table.size == -(-len(rows) // page)
         owned += table.tolist()
     assert len(owned) == len(set(owned)) and cache.num_free_pages == 64 - len(owned)
+
+
+# --- HybridCache ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    from k3ref.config import K3Config
+    return K3Config.preset("tiny")
+
+
+def test_hybrid_cache_rejects_a_page_size_decode_would_refuse(tiny_cfg):
+    """mla_decode_token checks the cache against the model's MlaConfig (page 64): any other page size must be
+    refused when the cache is built, not after a prefill at the first decode step."""
+    from k3ref.cache import HybridCache
+    with pytest.raises(ValueError, match=r"HybridCache: page_size must be the MLA config's page size 64.*found 16"):
+        HybridCache(tiny_cfg, num_pages=4, page_size=16)
+
+
+def test_hybrid_cache_kda_state_and_advance_errors(tiny_cfg):
+    from k3ref.cache import HybridCache
+    cache = HybridCache(tiny_cfg, num_pages=4)
+    seq = cache.add_sequence()
+    kda_layer, mla_layer = cache.kda_layers[0], cache.mla_layers[0]
+    assert cache.kda_state(kda_layer, seq).recurrent.dtype == np.float64
+    with pytest.raises(ValueError, match=r"layer: expected a KDA layer"):
+        cache.kda_state(mla_layer, seq)
+    with pytest.raises(ValueError, match=r"unknown sequence 5"):
+        cache.set_kda_state(kda_layer, 5, cache.kda_state(kda_layer, seq))
+    with pytest.raises(ValueError, match=r"n: expected an int >= 0"):
+        cache.advance(seq, -1)
+    with pytest.raises(ValueError, match=r"MLA layer \d+ holds 0 tokens of sequence 0, expected 2"):
+        cache.advance(seq, 2)                    # no layer has seen the tokens: refused, length unchanged
+    assert cache.seq_len(seq) == 0

@@ -3,7 +3,6 @@ prefill, hand-computed values for the constants (L2 eps, gate lower bound), prop
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 
 import numpy as np
@@ -203,6 +202,15 @@ def test_decode_core_uses_the_l2_eps_and_default_scale():
     np.testing.assert_allclose(S[0, 0], 0.5 * np.outer(kh, v), rtol=1e-13)
 
 
+@pytest.mark.parametrize("dtype, want", [pytest.param(np.longdouble, np.float64, id="longdouble-to-f64"),
+                                         pytest.param(np.dtype(">f8"), np.float64, id="big-endian-f64-kept-wide"),
+                                         pytest.param(np.float16, np.float32, id="f16-to-f32"),
+                                         pytest.param(np.float32, np.float32, id="f32-kept")])
+def test_l2norm_computes_in_float32_or_wider(dtype, want):
+    """Inputs are never narrowed below float64 when they are wider than float32 (as_float's promotion rule)."""
+    assert l2norm(np.array([3.0, 4.0], dtype)).dtype == want
+
+
 def test_gate_lower_bound_is_minus_5():
     assert KdaConfig(num_heads=2, head_dim=4).gate_lower_bound == -5.0
     g = kda_gate(np.full((1, 2, 3), 1e3), np.zeros(2), np.zeros(6))           # sigma -> 1: g = lower bound
@@ -389,10 +397,38 @@ def test_layer_routes_through_cores_and_uses_first_H_of_A_log(rng):
     np.testing.assert_array_equal(Y2, Y)
 
 
+def _nan_output_core(fn):
+    def core(*args, **kwargs):
+        o, S = fn(*args, **kwargs)
+        o = o.copy()
+        o[0, -1] = np.nan                                            # one unwritten (poisoned) output row
+        return o, S
+    return core
+
+
+@pytest.mark.parametrize("swap, call, match", [
+    pytest.param({"kda_decode": lambda *a, **kw: (np.zeros((1, 2, 7)), a[7])}, "decode",
+                 r"kda_decode core output: expected \[1, 2, 8\]", id="decode-o-shape"),
+    pytest.param({"kda_prefill": lambda *a, **kw: (np.zeros((1, 5, 2, 8)), a[7][..., :4])}, "prefill",
+                 r"kda_prefill core state: expected \[1, 2, 8, 8\]", id="prefill-S-shape"),
+    pytest.param({"kda_decode": _nan_output_core(kda_decode_core)}, "decode",
+                 r"kda_decode core output: expected finite values, found nan at index \(0, 1, 0\)", id="decode-o-nan"),
+    pytest.param({"kda_prefill": _nan_output_core(kda_prefill_core)}, "prefill",
+                 r"kda_prefill core output: expected finite values, found nan at index \(0, 4, 0, 0\)",
+                 id="prefill-o-nan"),
+])
+def test_layer_names_a_bad_core_result(swap, call, match, rng):
+    """A swapped-in core that returns a misshaped or NaN result is named, not reported as a later `x`."""
+    cfg, D = KdaConfig(2, 8), 12
+    w, X = random_kda_weights(cfg, D, rng), rng.standard_normal((1, 5, D))
+    with pytest.raises(ValueError, match=match):
+        if call == "decode":
+            kda_decode_token(w, X[:, 0], KdaState.zeros(cfg, 1), cfg, _kda_cores(**swap))
+        else:
+            kda_prefill(w, X, KdaState.zeros(cfg, 1), cfg, _kda_cores(**swap))
+
+
 def test_layer_default_cores(rng):
-    missing = [m for m in ("attnres", "latent_moe", "mla", "mxfp4", "situ") if importlib.util.find_spec(f"k3ref.{m}") is None]
-    if missing:
-        pytest.skip(f"reference_cores() needs k3ref modules not written yet: {missing}")
     cfg, D = KdaConfig(2, 8), 12
     w, X = random_kda_weights(cfg, D, rng), rng.standard_normal((1, 5, D))
     Y, S = kda_prefill(w, X, KdaState.zeros(cfg, 1), cfg)
@@ -421,6 +457,11 @@ def test_cores_and_layer_do_not_mutate_inputs(rng):
         np.testing.assert_array_equal(getattr(state, f.name), getattr(before[-2], f.name))
     for n, a in w.items():
         np.testing.assert_array_equal(a, before[-1][n])
+
+
+def test_config_accepts_numpy_float_eps():
+    """Configs built from NumPy values (e.g. read back from an array) are as valid as from Python floats."""
+    assert KdaConfig(2, 4, norm_eps=np.float32(1e-5), gate_lower_bound=np.float32(-5.0)).norm_eps == np.float32(1e-5)
 
 
 def test_state_zeros_and_copy():
@@ -502,6 +543,12 @@ BAD_OTHER = [
     pytest.param(lambda: kda_prefill_core(np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)),
                                           np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2)), np.zeros(2), np.zeros(8),
                                           np.zeros((2, 2, 4, 4))), "state: expected", id="prefill-core-state-B"),
+    pytest.param(lambda: kda_prefill_core(np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)),
+                                          np.zeros((1, 3, 2, 5)), np.zeros((1, 3, 2)), np.zeros(2), np.zeros(10),
+                                          np.zeros((1, 2, 4, 4))), "g_raw: expected", id="prefill-core-g_raw"),
+    pytest.param(lambda: kda_prefill_core(np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)),
+                                          np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 3)), np.zeros(2), np.zeros(8),
+                                          np.zeros((1, 2, 4, 4))), "beta_raw: expected", id="prefill-core-beta_raw"),
     pytest.param(lambda: KdaConfig(0, 4), "num_heads", id="cfg-heads"),
     pytest.param(lambda: KdaConfig(2, 4, norm_eps=-1.0), "norm_eps", id="cfg-eps"),
     pytest.param(lambda: KdaConfig(2, 4, gate_lower_bound=1.0), "gate_lower_bound", id="cfg-lb"),
@@ -512,6 +559,16 @@ BAD_OTHER = [
     pytest.param(_layer_call(state=KdaState.zeros(_CFG24, 2)), "state.conv_q: expected", id="layer-state-batch"),
     pytest.param(_layer_call(X=np.ones((3, 6))), "X: expected rank 3", id="layer-X-rank"),
     pytest.param(_layer_call(X=np.full((1, 3, 6), np.inf)), "X: expected finite", id="layer-X-inf"),
+    pytest.param(_layer_call(weights=dict(_W24, **{"v_proj.weight": np.full((8, 6), np.nan)})),
+                 r"v_proj.weight: expected finite values, found nan at index \(0, 0\)", id="layer-weight-nan"),
+    pytest.param(_layer_call(weights=dict(_W24, **{"o_proj.weight": np.where(np.eye(6, 8) > 0, np.inf, _W24["o_proj.weight"])})),
+                 r"o_proj.weight: expected finite values, found inf at index \(0, 0\)", id="layer-o_proj-inf"),
+    pytest.param(_layer_call(weights=dict(_W24, **{"o_norm.weight": np.array([1.0, np.nan, 1.0, 1.0])})),
+                 r"o_norm.weight: expected finite values", id="layer-o_norm-nan"),
+    pytest.param(_layer_call(weights=dict(_W24, **{"q_proj.weight": np.full((8, 6), 1e300)}), X=np.full((1, 3, 6), 1e10)),
+                 r"q_proj.weight: expected finite outputs.*overflow in float64", id="layer-proj-overflow",
+                 marks=pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")),
+    pytest.param(lambda: l2norm(np.ones(3), eps=None), "eps: expected a finite float", id="l2norm-eps-None"),
     pytest.param(lambda: kda_decode_token(_W24, np.ones((1, 1, 6)), KdaState.zeros(_CFG24, 1), _CFG24, _kda_cores()),
                  "x: expected rank 2", id="decode-x-rank"),
     pytest.param(lambda: KdaState.zeros(_CFG24, 1, dtype=np.int32), "dtype", id="state-dtype"),
