@@ -68,14 +68,24 @@ class K3CpuModel:
 
     @classmethod
     def from_checkpoint(cls, path, cfg=None, dtype=np.float32) -> "K3CpuModel":
-        """Lazy, memory-mapped weights from a Hugging Face style checkpoint directory."""
+        """Lazy weights from a Hugging Face style checkpoint directory (config: `cfg` or its config.json).
+
+        Raises ValueError when the headers do not hold every tensor of `cfg` in its shape (say a config that
+        does not belong to the checkpoint); `k3conf admit DIR` lists every such problem.
+        """
         from pathlib import Path
 
         from .config import K3Config
-        from .weights import CheckpointReader
+        from .weights import CheckpointReader, inventory
 
         cfg = cfg if cfg is not None else K3Config.from_json(Path(path) / "config.json")
-        return cls(cfg, CheckpointReader(path), dtype)
+        reader = CheckpointReader(path)
+        for spec in inventory(cfg):
+            found = reader.entries.get(spec.name)
+            require(found is not None and found.shape == spec.shape,
+                    f"checkpoint {path}: {spec.name}: expected shape {list(spec.shape)} for this config, found "
+                    f"{'no such tensor' if found is None else list(found.shape)}; run `k3conf admit {path}`")
+        return cls(cfg, reader, dtype)
 
     def layer(self, i: int) -> ModuleView:
         require(0 <= i < self.cfg.num_hidden_layers, f"layer: expected 0..{self.cfg.num_hidden_layers - 1}, found {i}")
@@ -85,7 +95,9 @@ class K3CpuModel:
         return ModuleView(self.weights, TEXT_PREFIX, self.dtype, self._cast)
 
     def lm_head(self) -> np.ndarray:
-        return ModuleView(self.weights, "", self.dtype, self._cast)[LM_HEAD]
+        """[vocab, D]: `language_model.lm_head.weight`, or the embedding table when tie_word_embeddings."""
+        name = TEXT_PREFIX + "embed_tokens.weight" if self.cfg.tie_word_embeddings else LM_HEAD
+        return ModuleView(self.weights, "", self.dtype, self._cast)[name]
 
     def new_cache(self, num_pages: int = 64, page_size: int = 64) -> HybridCache:
         return HybridCache(self.cfg, num_pages=num_pages, page_size=page_size, dtype=self.dtype)

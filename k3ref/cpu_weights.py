@@ -12,31 +12,20 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-TEXT_PREFIX = "language_model.model."
-LM_HEAD = "language_model.lm_head.weight"
-
-
-def layer_prefix(layer: int) -> str:
-    """Full-name prefix of layer `layer` (0-indexed)."""
-    return f"{TEXT_PREFIX}layers.{layer}."
+from .weights import LM_HEAD, TEXT_PREFIX, layer_prefix  # noqa: F401  (re-exported: one definition of the names)
 
 
 class ModuleView(Mapping):
-    """Read-only view of `weights` under `prefix`, floats cast to `dtype`, U8 passed through.
-
-    `accessed` records every local name read (the tests use it to prove unselected experts stay untouched).
-    """
+    """Read-only view of `weights` under `prefix`, floats cast to `dtype` (cached in `cache`), U8 passed through."""
 
     def __init__(self, weights: Mapping, prefix: str, dtype, cache: dict | None = None):
         self._weights = weights
         self._prefix = prefix
         self._dtype = np.dtype(dtype)
         self._cache = {} if cache is None else cache
-        self.accessed: set[str] = set()
 
     def __getitem__(self, name: str) -> np.ndarray:
         full = self._prefix + name
-        self.accessed.add(name)
         hit = self._cache.get(full)
         if hit is not None:
             return hit

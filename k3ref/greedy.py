@@ -22,8 +22,14 @@ class GreedyResult:
 def _check_prompt(model: K3CpuModel, prompt, max_new_tokens: int) -> np.ndarray:
     ids = np.asarray(prompt, dtype=np.int64)
     require(ids.ndim == 1 and ids.size >= 1, f"prompt: expected at least one token id, found shape {ids.shape}")
-    require(max_new_tokens >= 0, f"max_new_tokens: expected >= 0, found {max_new_tokens}")
+    require(isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 0,
+            f"max_new_tokens: expected an int >= 0, found {max_new_tokens!r}")
     return ids
+
+
+def _stack(logits: list[np.ndarray], model: K3CpuModel) -> np.ndarray:
+    """[max_new, vocab] (also for max_new = 0, where np.array([]) has no vocab axis to infer)."""
+    return np.array(logits).reshape(len(logits), model.cfg.vocab_size)
 
 
 def greedy_decode(model: K3CpuModel, prompt, max_new_tokens: int, *, cores: Cores | None = None,
@@ -48,7 +54,7 @@ def greedy_decode(model: K3CpuModel, prompt, max_new_tokens: int, *, cores: Core
             on_token(tok)
         if step + 1 < max_new_tokens:
             logits = forward_token(model, tok, ids.size + step, cache, seq=seq, cores=cores, ablation=ablation)
-    return GreedyResult(tokens, np.array(chosen).reshape(len(chosen), -1))
+    return GreedyResult(tokens, _stack(chosen, model))
 
 
 def greedy_recompute(model: K3CpuModel, prompt, max_new_tokens: int, *, cores: Cores | None = None,
@@ -64,4 +70,4 @@ def greedy_recompute(model: K3CpuModel, prompt, max_new_tokens: int, *, cores: C
         tokens.append(tok)
         chosen.append(logits)
         ids.append(tok)
-    return GreedyResult(tokens, np.array(chosen).reshape(len(chosen), -1))
+    return GreedyResult(tokens, _stack(chosen, model))

@@ -72,6 +72,8 @@ class LatentMoeConfig:
 
 
 def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
+    require(isinstance(n_group, (int, np.integer)) and n_group >= 1,
+            f"n_group: expected a positive int, found {n_group!r}")
     require(E % n_group == 0, f"n_group: expected a divisor of num_experts = {E}, found {n_group}")
     require(1 <= topk_group <= n_group, f"topk_group: expected 1..n_group = {n_group}, found {topk_group}")
     if n_group > 1:

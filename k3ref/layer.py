@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 from .config import K3Config
+from .weights import layer_prefix
 
 
 class MixerKind(enum.Enum):
@@ -37,7 +38,7 @@ class K3LayerSpec:
     @property
     def prefix(self) -> str:
         """Checkpoint name prefix of this layer's tensors."""
-        return f"language_model.model.layers.{self.index}."
+        return layer_prefix(self.index)
 
     @property
     def mlp_module(self) -> str:

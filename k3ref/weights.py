@@ -433,6 +433,7 @@ class CheckpointReader(Mapping):
 
     def _handle(self, path: Path):
         if path not in self._handles:
+            import ml_dtypes  # noqa: F401  registers numpy's 'bfloat16' dtype, which safetensors needs for BF16
             from safetensors import safe_open
 
             self._handles[path] = safe_open(str(path), framework="numpy")
@@ -575,6 +576,9 @@ def _index_problems(directory: Path, found: Mapping[str, HeaderEntry], text_only
         wm = json.loads(path.read_text())["weight_map"]
         if not isinstance(wm, dict):
             raise TypeError("weight_map is not an object")
+        bad = [name for name, fname in wm.items() if not isinstance(fname, str)]
+        if bad:
+            raise TypeError(f"weight_map[{bad[0]!r}] is {wm[bad[0]]!r}, not a shard file name")
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable index ({type(e).__name__}: {e})") from e
     out = []

@@ -111,6 +111,7 @@ def test_router_float32_stays_float32(rng):
     pytest.param(lambda: lm.sigmoid_topk(np.zeros((2, 8)), np.zeros(7), 2), "bias", id="bias-width"),
     pytest.param(lambda: lm.sigmoid_topk(np.zeros((2, 8)), np.zeros(8), 9), "top_k", id="top-k"),
     pytest.param(lambda: lm.sigmoid_topk(np.zeros((2, 8)), np.zeros(8), 2, n_group=3), "n_group", id="groups"),
+    pytest.param(lambda: lm.sigmoid_topk(np.zeros((2, 8)), np.zeros(8), 2, n_group=0), "n_group", id="groups-0"),
 ])
 def test_router_rejects_bad_input(call, needle):
     with pytest.raises(ValueError, match=needle):

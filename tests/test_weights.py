@@ -272,3 +272,27 @@ def test_cli_admit_corrupt_is_usage_error(tmp_path, tiny, capsys):
     _truncate(victim)
     assert cli_main(["admit", str(d)]) == 2
     assert victim.name in capsys.readouterr().err
+
+
+def test_reader_decodes_bf16_in_a_fresh_interpreter(ckpt):
+    """BF16 reads must not depend on someone else having imported ml_dtypes (this test module does; the CLI
+    does not): safetensors' numpy loader needs numpy's 'bfloat16' dtype registered."""
+    import subprocess
+    import sys
+
+    name = "language_model.model.norm.weight"
+    code = ("import sys; from k3ref.weights import CheckpointReader; "
+            f"a = CheckpointReader(sys.argv[1])[{name!r}]; print(a.dtype, a.shape)")
+    done = subprocess.run([sys.executable, "-c", code, str(ckpt)], check=False, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["float32", "(36,)"]
+
+
+def test_admit_index_with_a_non_string_file_name(tmp_path, tiny):
+    d = synthetic_checkpoint(tiny, SEED, tmp_path, shard_bytes=40_000)
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["weight_map"][L + "0.self_attn.A_log"] = 3
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="A_log"):
+        admit_checkpoint(d, tiny)

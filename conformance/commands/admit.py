@@ -19,6 +19,9 @@ def load_config(spec: str | None, directory: Path | None = None):
             raise UsageError(f"no config.json in {directory}; pass --config with a preset "
                              f"({', '.join(sorted(PRESETS))}) or a path")
         spec = str(directory / "config.json")
+    if spec not in PRESETS and not Path(spec).exists():
+        raise UsageError(f"--config {spec}: neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
+                         "config.json path")
     try:
         return K3Config.preset(spec) if spec in PRESETS else K3Config.from_json(spec)
     except ValueError as e:

@@ -2,31 +2,23 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..cli import UsageError
+from .admit import load_config
 
 
 def register(sub) -> None:
     p = sub.add_parser("decode", help="greedy decode with the NumPy reference model")
-    p.add_argument("--config", default="tiny", help="preset name (tiny, small, k3) or a config.json path")
+    p.add_argument("--config", default=None,
+                   help="preset name (tiny, small, k3) or a config.json path; default: the checkpoint's "
+                        "config.json with --checkpoint, else tiny")
     p.add_argument("--checkpoint", help="checkpoint directory (default: synthetic weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     p.set_defaults(func=run)
-
-
-def load_config(spec: str):
-    """A preset name or a path to a config.json; UsageError when neither works."""
-    from pathlib import Path
-
-    from k3ref.config import K3Config
-
-    try:
-        return K3Config.from_json(spec) if Path(spec).exists() else K3Config.preset(spec)
-    except (ValueError, KeyError, OSError) as e:
-        raise UsageError(f"--config {spec!r}: {e}") from None
 
 
 def run(args) -> int:
@@ -41,7 +33,8 @@ def run(args) -> int:
         prompt = [int(t) for t in args.prompt.split(",") if t.strip()]
     except ValueError:
         raise UsageError(f"--prompt: expected comma-separated integers, found {args.prompt!r}") from None
-    cfg = load_config(args.config)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    cfg = load_config(args.config if args.config or checkpoint else "tiny", checkpoint)
     if cfg.num_parameters() > 2e9 and not args.checkpoint:
         raise UsageError(f"--config {args.config}: {cfg.num_parameters() / 1e9:.0f}B parameters is too large to "
                          "synthesise on the CPU; use tiny or small, or give --checkpoint")
@@ -54,5 +47,7 @@ def run(args) -> int:
             result = greedy_decode(model, prompt, args.max_new, on_token=lambda _t: bar.advance(task))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    except KeyError as e:  # a tensor the config needs is not in the checkpoint (k3conf admit lists them all)
+        raise UsageError(f"{e.args[0]}; run `k3conf admit {args.checkpoint}`") from None
     print(",".join(map(str, result.tokens)))
     return 0
