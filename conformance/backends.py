@@ -3,9 +3,11 @@
 Registry (`k3conf list` shows availability and the reason):
 - `numpy64`    k3ref cores, float64 inputs: exact by construction against the goldens.
 - `numpy32`    k3ref cores, float inputs cast to float32: the fp32 baseline of the gate table.
-- `torch`, `torch-bf16`  conformance.baselines.torch_backend.make_backend(name), imported lazily; skipped
-               with the reason when torch or that module is missing. torch-bf16 is the bf16 baseline.
+- `torch`, `torch-bf16`, `torch64`  conformance.baselines.torch_backend.make_backend(name), imported lazily;
+               skipped with the reason when torch or that module is missing. torch-bf16 is the bf16 baseline;
+               torch64 / torch / torch-bf16 are the time baselines at fp64 / fp32 / bf16.
 - `cuda`       k3cuda.cuda_cores(reference_cores()) when k3cuda.available() says so; skipped otherwise.
+- `cuda-emu`   the same kernels and wrappers run by the g++ CPU emulation of k3cuda.testing (no GPU, no timing).
 - `mutant:<name>`  numpy64 with one core replaced by a deliberately wrong one from MUTANTS; the mutation
                tests prove that the runner catches each mistake and names its block first.
 Add a backend with `register_backend(name, factory)` and a mutant with `register_mutant(...)`.
@@ -185,7 +187,7 @@ class CudaEmuBackend(CudaBackend):
             return False, "g++ not found on PATH (the CPU emulation of the kernels compiles them as C++)"
         if getattr(self._k3cuda, "cuda_cores", None) is None:
             return False, "k3cuda.cuda_cores() is missing (reinstall: pip install -e .)"
-        return True, ""
+        return True, "k3cuda kernels run on the CPU by the g++ emulation (no GPU rounding, races or timing)"
 
     def cores(self) -> Cores:
         from k3cuda.testing import cpu_emulation

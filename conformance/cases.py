@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -91,7 +92,8 @@ def register_kind(kind: CaseKind) -> None:
     KINDS[kind.name] = kind
 
 
-def _load_plugins() -> None:
+def load_plugins() -> None:
+    """Import PLUGIN_MODULES (when present): they register kinds, gate rows and mutants at import time."""
     for mod in PLUGIN_MODULES:
         try:
             importlib.import_module(mod)
@@ -104,7 +106,7 @@ def all_cases(config: str = "tiny") -> list[Case]:
     """Every case of every registered kind for `config`, in registration order."""
     if config not in CONFIGS:
         raise ValueError(f"config: expected one of {CONFIGS}, found {config!r}")
-    _load_plugins()
+    load_plugins()
     return [c for kind in KINDS.values() for c in kind.cases(config)]
 
 
@@ -121,7 +123,7 @@ def kind_of(case: Case) -> CaseKind:
 
 
 def metadata(case: Case, kwargs: Mapping) -> dict[str, str]:
-    """The golden's metadata strings for `case` (schema version is added by the writer)."""
+    """The golden's metadata strings for `case`: schema version, block, case, config, seed, generator, kwargs."""
     from .goldens import SCHEMA_VERSION
 
     return {
@@ -153,8 +155,14 @@ def cast(a: np.ndarray, precision: str) -> np.ndarray:
     raise ValueError(f"precision: expected fp64, fp32 or bf16, found {precision!r}")
 
 
-def cast_all(tensors: Mapping[str, np.ndarray], precision: str) -> dict[str, np.ndarray]:
-    return {k: cast(v, precision) for k, v in tensors.items()}
+# Checkpoint tensors K3 stores in F32 (DESIGN.md section 7): a bf16 backend receives them in fp32, not rounded.
+F32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
+
+
+def cast_weights(weights: Mapping[str, np.ndarray], precision: str) -> dict[str, np.ndarray]:
+    """Checkpoint weights (module-local or full names) to the backend precision; F32 tensors stay fp32 at bf16."""
+    keep32 = "fp32" if precision == "bf16" else precision
+    return {k: cast(v, keep32 if k.endswith(F32_SUFFIXES) else precision) for k, v in weights.items()}
 
 
 def nbytes(arrays) -> int:
@@ -218,7 +226,11 @@ class CoreKind:
 
     def _inputs(self, golden, backend) -> tuple[dict, dict]:
         spec = self.specs[golden.block]
-        golden.require(f"outputs.{o}" for o in spec.outputs)
+        # a golden missing an argument of the core is a broken golden (file + regen command), not a TypeError
+        params = inspect.signature(getattr(reference_cores(), spec.core)).parameters.values()
+        needed = [p.name for p in params if p.default is p.empty and p.name not in golden.kwargs
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        golden.require([f"inputs.{n}" for n in needed] + [f"outputs.{o}" for o in spec.outputs])
         p = backend.precision
         keep = spec.fp32_inputs if p == "bf16" else ()
         return {k: cast(v, "fp32" if k in keep else p) for k, v in golden.group("inputs").items()}, golden.kwargs
@@ -496,7 +508,7 @@ class LatentMoeKind:
         from k3ref.latent_moe import latent_moe_forward
 
         golden.require(["inputs.x", "outputs.y"])
-        weights = cast_all(golden.group("weights"), backend.precision)
+        weights = cast_weights(golden.group("weights"), backend.precision)
         x = cast(golden.group("inputs")["x"], backend.precision)
         return {"y": np.asarray(latent_moe_forward(weights, x, self._cfg(golden.kwargs), cores=backend.cores()))}
 

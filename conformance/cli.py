@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    from .goldens import GoldenError
+
     try:
         return int(args.func(args) or 0)
-    except UsageError as e:
+    except (UsageError, GoldenError) as e:   # GoldenError here: an unreadable manifest or golden (regen, show)
         print(f"k3conf {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

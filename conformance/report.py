@@ -19,7 +19,8 @@ from .runner import CaseResult, RunReport
 
 
 def _cell(r: CaseResult) -> str:
-    """Short status of one (case, backend): 'pass 3.1e-08' / 'FAIL 2.0e-03>1e-05' / 'ERROR'."""
+    """Short status of one (case, backend): 'ok 3e-08' / 'FAIL 2e-03>1e-05' / 'FAIL NaN/Inf' / 'FAIL 2 differ' /
+    'FAIL shape' / 'FAIL speed' / 'skip' / 'ERROR'."""
     if r.status == "error":
         return "ERROR"
     w = r.worst
@@ -28,6 +29,10 @@ def _cell(r: CaseResult) -> str:
     if not w.passed:
         if w.comparison.problem and not w.comparison.exact:
             return "FAIL " + w.comparison.problem.split(":")[0]
+        if w.comparison.exact:          # integer tensor: rel_rms is the share of differing elements
+            return f"FAIL {w.comparison.n_total - w.comparison.n_within} differ"
+        if not w.comparison.nonfinite_ok:
+            return "FAIL NaN/Inf"
         return f"FAIL {w.comparison.rel_rms:.0e}>{w.verdict.bound:.0e}"
     if r.status == "fail":
         return "FAIL speed"
@@ -75,9 +80,21 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         console.print(f"  {r.case} on {r.backend}: {_why(r)}", style="red", highlight=False, markup=False)
     if len(fails) > 20:
         console.print(f"  ... and {len(fails) - 20} more (see the report files)", style="red")
-    n_pass = len(report.results) - len(fails)
-    console.print(f"{n_pass} of {len(report.results)} (case, backend) results passed in {report.wall_seconds:.1f} s",
+    console.print(f"(case, backend) results: {_tally(report)}, in {report.wall_seconds:.1f} s",
                   highlight=False, markup=False)
+
+
+def _tally(report: RunReport) -> str:
+    """'7 of 9 passed, 1 skipped, 1 failed': a skip (a kernel not built for that shape) is not a pass."""
+    n = len(report.results)
+    passed = sum(r.status == "pass" for r in report.results)
+    skipped = sum(r.status == "skip" for r in report.results)
+    text = f"{passed} of {n} passed"
+    if skipped:
+        text += f", {skipped} skipped"
+    if report.failures:
+        text += f", {len(report.failures)} failed"
+    return text
 
 
 def _isatty() -> bool:
@@ -112,17 +129,28 @@ def write_reports(report: RunReport, out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html"]
-    paths[0].write_text(json.dumps(report.to_dict(), indent=1, sort_keys=True, default=_json_default) + "\n")
+    paths[0].write_text(json.dumps(_strict_json(report.to_dict()), indent=1, sort_keys=True, allow_nan=False,
+                                   default=_json_default) + "\n")
     paths[1].write_text(markdown(report))
     paths[2].write_text(html_report(report))
     return paths
 
 
-def _json_default(o):
+def _strict_json(o):
+    """`o` with every non-finite float as the string "nan" / "inf" / "-inf": json.dumps would write the bare
+    tokens NaN / Infinity, which strict JSON readers reject, exactly in the reports of failing runs."""
+    if isinstance(o, dict):
+        return {k: _strict_json(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_strict_json(v) for v in o]
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
+    return o
+
+
+def _json_default(o):
     if hasattr(o, "item"):
-        return o.item()
+        return _strict_json(o.item())
     return str(o)
 
 
@@ -162,7 +190,12 @@ def markdown(report: RunReport) -> str:
             continue
         for t in r.tensors:
             c = t.comparison
-            worst = "-" if c.worst_index is None else f"{list(c.worst_index)}: {c.worst_out:.6g} vs {c.worst_ref:.6g}"
+            if c.problem and not c.exact:      # not comparable (shape, dtype, missing): the metrics are empty
+                worst = c.problem.replace("|", "/")
+            elif c.worst_index is None or (c.max_abs == 0 and c.nonfinite_ok):   # nothing differs
+                worst = "-"
+            else:
+                worst = f"{list(c.worst_index)}: {c.worst_out:.6g} vs {c.worst_ref:.6g}"
             lines.append(f"| {r.case} | {r.backend} | {'pass' if t.passed else 'FAIL'} | {t.tensor} | {_fmt(c.max_abs)} | "
                          f"{_fmt(c.rel_rms)}{versus(t)} | {_fmt(t.verdict.bound)} | {c.passed_line} | {worst} | {sp} |")
     lines += ["", "## Gate rows used", "", "| block | tensor | precision | cap | k | floor | reason |", "|---|---|---|---|---|---|---|"]
@@ -172,8 +205,7 @@ def markdown(report: RunReport) -> str:
             used[tuple(t.gate_key)] = t.gate
     for key, g in sorted(used.items()):
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {g.cap:g} | {_fmt(g.k)} | {g.floor:g} | {g.reason} |")
-    lines.append(f"\n{len(report.results) - len(report.failures)} of {len(report.results)} passed in "
-                 f"{report.wall_seconds:.1f} s.\n")
+    lines.append(f"\n(case, backend) results: {_tally(report)}, in {report.wall_seconds:.1f} s.\n")
     return "\n".join(lines)
 
 
@@ -209,9 +241,9 @@ def html_report(report: RunReport) -> str:
     out.append("<table><tr><th>case</th><th>backend</th><th>tensor</th><th>status</th><th>max abs</th><th>rel RMS</th>"
                "<th>bound</th><th>passed</th><th>rule</th><th>speed</th></tr>")
     for r in report.results:
-        if r.status == "error":
-            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='error'>ERROR</td>"
-                       f"<td colspan='6'>{e(r.error)}</td></tr>")
+        if r.status in ("error", "skip"):
+            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='{r.status}'>"
+                       f"{r.status.upper()}</td><td colspan='6'>{e(r.error)}</td></tr>")
         for t in r.tensors:
             c = t.comparison
             st = "pass" if t.passed else "fail"
@@ -238,10 +270,14 @@ def _layer_plots(report: RunReport) -> list[str]:
 
 
 def svg_plot(title: str, per_backend: dict[str, dict[int, float]], width: int = 560, height: int = 240) -> str:
-    """An inline SVG line plot: x = layer, y = log10(rel RMS error) (floored at 1e-18), one line per backend."""
+    """An inline SVG line plot: x = layer, y = log10(rel RMS error) (clipped to 1e-18 .. 1e3), one line per backend."""
     pad_l, pad_r, pad_t, pad_b = 48, 110, 24, 30
     layers = sorted({l for s in per_backend.values() for l in s})
-    ys = [math.log10(max(v, 1e-18)) for s in per_backend.values() for v in s.values()]
+
+    def lg(v: float) -> float:   # clipped to [1e-18, 1e3]: an overflowed (inf) error is drawn at the top
+        return math.log10(min(max(v, 1e-18), 1e3)) if not math.isnan(v) else 3.0
+
+    ys = [lg(v) for s in per_backend.values() for v in s.values()]
     lo, hi = math.floor(min(ys)), math.ceil(max(ys))
     hi = hi if hi > lo else lo + 1
     x0, x1 = layers[0], max(layers[-1], layers[0] + 1)
@@ -262,7 +298,7 @@ def svg_plot(title: str, per_backend: dict[str, dict[int, float]], width: int = 
         parts.append(f"<text x='{px(l) - 4:.1f}' y='{height - 10}' font-size='10'>{l}</text>")
     for i, (backend, s) in enumerate(sorted(per_backend.items())):
         color = _COLORS[i % len(_COLORS)]
-        pts = " ".join(f"{px(l):.1f},{py(math.log10(max(s[l], 1e-18))):.1f}" for l in sorted(s))
+        pts = " ".join(f"{px(l):.1f},{py(lg(s[l])):.1f}" for l in sorted(s))
         parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/>")
         parts.append(f"<text x='{width - pad_r + 6}' y='{pad_t + 14 * i + 8}' font-size='11' fill='{color}'>{e(backend)}</text>")
     parts.append("</svg>")

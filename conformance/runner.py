@@ -128,8 +128,10 @@ class RunReport:
         """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line."""
         r = self.first_failure
         if r is None:
-            n = len(self.results)
-            return f"ALL PASS: {n} (case, backend) result(s) within their gates"
+            skipped = sum(x.status == "skip" for x in self.results)
+            n = len(self.results) - skipped
+            return (f"ALL PASS: {n} (case, backend) result(s) within their gates"
+                    + (f" ({skipped} skipped: not supported by that backend)" if skipped else ""))
         if r.status == "error":
             return f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): error: {r.error}"
         t = r.first_failing
@@ -186,9 +188,7 @@ class _Runner:
             try:
                 b = get_backend(name)
                 ok, _ = b.available()
-                outs = self.outputs(case, golden, b) if ok else None
-                self.errors[key] = None if outs is None else {
-                    t: compare(outs[t], ref).rel_rms for t, ref in golden.group("outputs").items() if t in outs}
+                self.errors[key] = _rel_errors(self.outputs(case, golden, b), golden) if ok else None
             except Exception:  # noqa: BLE001 - a broken baseline means "cap only", never a crash
                 self.errors[key] = None
         return name, self.errors[key]
@@ -248,10 +248,10 @@ class _Runner:
             return res
         res.notes = [str(n) for n in outs.pop(NOTES_KEY, [])]
         if backend.name == gates.BASELINE.get(backend.precision):   # the baseline itself: no second run
-            self.errors[(case.name, backend.name)] = {
-                t: compare(outs[t], ref).rel_rms for t, ref in golden.group("outputs").items() if t in outs}
+            self.errors[(case.name, backend.name)] = _rel_errors(outs, golden)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
-        for tensor, ref in golden.group("outputs").items():
+        # name order = compute order (traces number their tensors so), whatever order the file lists them in
+        for tensor, ref in sorted(golden.group("outputs").items()):
             block = kind.block_of(case, tensor)
             key, gate = gates.gate_for(block, tensor, backend.precision)
             if tensor in outs:
@@ -273,11 +273,24 @@ class _Runner:
         return res
 
 
+def _rel_errors(outs: dict, golden) -> dict[str, float]:
+    """tensor -> relative RMS error of a baseline's outputs. A tensor the baseline got wrong in kind (missing,
+    misshaped, NaN where the golden has none) has no error to scale a bound by: it is left out, so that row
+    falls back to the cap alone instead of to k * 0 + floor."""
+    errs = {}
+    for t, ref in golden.group("outputs").items():
+        if t in outs:
+            c = compare(outs[t], ref)
+            if not c.problem and not c.exact and c.nonfinite_ok:
+                errs[t] = c.rel_rms
+    return errs
+
+
 def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
-    """(runnable backends, availability rows for all requested); KeyError for an unknown name."""
+    """(runnable backends, availability rows for all requested, each name once); KeyError for an unknown name."""
     from .backends import backend_names
 
-    names = list(names) if names else backend_names()
+    names = list(dict.fromkeys(names)) if names else backend_names()
     runnable, rows = [], []
     for name in names:
         b = get_backend(name)

@@ -25,23 +25,16 @@ from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, f
 from k3ref.kda import KdaState
 
 from . import backends, gates
-from .cases import NOTES_KEY, Case, Content, cast, register_kind
+from .cases import NOTES_KEY, Case, Content, cast, cast_weights, register_kind
 
 PROMPT = (5, 17, 3, 42, 8, 1, 60)
 DECODE_STEPS = 5
 WEIGHT_SEED = 7
 RECORD = ("h", "x_mixer", "a", "m", "x_mlp", "f")
-# Tensors the checkpoint keeps in F32 stay fp32 for a bf16 backend (DESIGN.md section 2).
-F32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
 
 
 def _name(step: int, layer: int, i: int, what: str) -> str:
     return f"step{step}.layer{layer:02d}.{i}_{what}"
-
-
-def _cast_weights(weights: dict, precision: str) -> dict:
-    keep32 = "fp32" if precision == "bf16" else precision
-    return {k: cast(v, keep32 if k.endswith(F32_SUFFIXES) else precision) for k, v in weights.items()}
 
 
 def _stored(w) -> np.ndarray:
@@ -136,7 +129,9 @@ class _GoldenFeed:
     """Replaces a layer's input state with the golden one (layer-by-layer mode)."""
 
     def __init__(self, inter: dict[str, np.ndarray], precision: str):
-        self.inter = {k: cast(v, precision) for k, v in inter.items()}
+        # the KDA recurrent state is fp32 in K3 (DESIGN.md section 3), as in the free run and the kda cases
+        keep32 = "fp32" if precision == "bf16" else precision
+        self.inter = {k: cast(v, keep32 if k.endswith(".kda.recurrent") else precision) for k, v in inter.items()}
         self.dtype = _compute_dtype(precision)
 
     def hub(self, hub, key: str):
@@ -216,7 +211,7 @@ class TraceKind:
         golden.require(["inputs.tokens"])
         cfg = K3Config.preset(golden.kwargs.get("config", case.config))
         p = backend.precision
-        model = K3CpuModel(cfg, _cast_weights(golden.group("weights"), p), _compute_dtype(p))
+        model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), _compute_dtype(p))
         feed = _GoldenFeed(golden.group("inter"), p) if golden.kwargs["mode"] == "layerwise" else None
         cores, fallbacks = _with_fallback(backend.cores())
         out = _Stepper(model, cores, feed).run(golden.group("inputs")["tokens"])

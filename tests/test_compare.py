@@ -86,6 +86,17 @@ def test_integer_tensors_compare_exactly():
     assert not judge(c, gate_for("moe_route", "indices", "fp64")[1], "fp64", None).passed
 
 
+@pytest.mark.parametrize("out, n_within, first", [
+    pytest.param([3.0, 1.5], 1, (1,), id="fraction-is-not-truncated"),
+    pytest.param([3.0, NAN], 1, (1,), id="nan-fails-only-its-position"),
+    pytest.param([3.0, 1.0], 2, None, id="float-holding-the-integers"),
+])
+def test_float_output_of_an_integer_tensor(out, n_within, first):
+    c = compare(np.array(out), np.array([3, 1], dtype=np.int64))
+    assert c.exact and (c.n_within, c.n_total) == (n_within, 2)
+    assert c.worst_index == first and bool(c.problem) == (first is not None)
+
+
 @given(x=st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=30).filter(lambda v: any(abs(t) > 1e-3 for t in v)),
        eps=st.floats(1e-6, 0.5), sign=st.sampled_from([-1.0, 1.0]))
 def test_rel_rms_of_a_uniform_scaling_is_the_scale(x, eps, sign):

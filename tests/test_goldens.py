@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,15 @@ def test_regen_is_byte_identical(tmp_path):
     out = regenerate(_subset(), a)
     assert {o.status for o in out} == {"unchanged"}
     assert not list(a.rglob("*.tmp"))
+
+
+def test_goldens_are_readable_by_others(tmp_path):
+    """Written with the umask's permissions (0o644 under umask 022), not mkstemp's owner-only 0o600."""
+    regenerate(select(all_cases("tiny"), [CASE]), tmp_path)
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in (goldens.golden_path(tmp_path, CASE), tmp_path / "MANIFEST.json"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
 
 
 def test_committed_goldens_are_current_and_small():
@@ -201,6 +211,24 @@ def test_small_config_goes_to_the_cache(monkeypatch, tmp_path):
     assert goldens.default_root("small") == tmp_path / "golden" / "small"
     assert goldens.default_root("tiny") == COMMITTED_ROOT
     assert goldens.regen_command("a/b", "small") == "k3conf regen --cases 'a/b' --config small"
+
+
+def test_metadata_drift_shows_the_values(root, capsys):
+    blob = goldens.golden_path(root, CASE).read_bytes()
+    meta, tensors = decode(blob, "x", "y")
+    _resign(root, CASE, encode(tensors, {**meta, "seed": "99"}))
+    assert main(["regen", "--check", "--out", str(root), "--cases", CASE]) == 1
+    assert "metadata.seed: changed '99' -> " in capsys.readouterr().out
+
+
+def test_check_flags_a_kept_file_the_manifest_does_not_list(root):
+    """Rounding-level drift keeps the file, but `run` would reject a file whose sha256 is not in the manifest."""
+    path = goldens.golden_path(root, CASE)
+    path.write_bytes(_with_tensor(path.read_bytes(), "outputs.y", lambda y: y * (1 + 4e-16)))   # not re-signed
+    (o,) = regenerate(select(all_cases("tiny"), [CASE]), root, check=True)
+    assert o.failed and o.status == "drift" and any(d.name == "MANIFEST.json" for d in o.drift)
+    (o,) = regenerate(select(all_cases("tiny"), [CASE]), root)                 # the regen the error names
+    assert o.status == "rounding" and read_golden(root, CASE).tensors       # re-listed, readable
 
 
 def test_rounding_level_drift_keeps_the_file_unless_accepted(root):

@@ -37,8 +37,10 @@ def test_unmutated_numpy64_passes_the_same_cases(cases):
     assert report.exit_code == 0, report.first_failure_line()
 
 
-# A mutant must fail by far more than any precision's error budget, so that the data exposes the bug
-# at every precision (the loosest cap in the gate table is the bf16 one, a few times 1e-2).
+# A mutant must fail by far more than any precision's error budget of the per-block cases, so that their data
+# exposes the bug at every precision (the loosest cap of those rows is the bf16 one, 5e-2). The model-trace rows
+# at bf16 are looser (baseline-relative only, cap 2: a router near-tie flips an expert; conformance/traces.py):
+# at bf16 the traces locate a mistake, the per-block cases are what catch it.
 MIN_MUTANT_ERROR = 0.1
 
 

@@ -87,6 +87,22 @@ def test_broken_golden_is_an_error_row_and_the_run_goes_on(tmp_path, capsys):
     assert status[SUBSET[0]][0] == "error" and f"k3conf regen --cases '{SUBSET[0]}'" in status[SUBSET[0]][1]
 
 
+def test_golden_missing_an_input_names_the_file_and_the_regen_command(tmp_path):
+    """Not a TypeError from deep inside the core: the golden is broken, so say which file and how to fix it."""
+    case = "kda_decode/B2-H3-K16"
+    regenerate(select(all_cases("tiny"), [case]), tmp_path)
+    path = goldens.golden_path(tmp_path, case)
+    meta, tensors = goldens.decode(path.read_bytes(), "x", "y")
+    del tensors["inputs.state"]
+    path.write_bytes(goldens.encode(tensors, meta))
+    manifest = goldens.load_manifest(tmp_path)            # consistently signed, but an input short
+    manifest["files"][f"{case}.safetensors"] = goldens.manifest_entry(path.read_bytes(), meta)
+    goldens.save_manifest(tmp_path, manifest)
+    (r,) = run(select(all_cases("tiny"), [case]), ["numpy64"], tmp_path, timing=False).results
+    assert r.status == "error" and "missing tensor(s) ['inputs.state']" in r.error
+    assert f"k3conf regen --cases '{case}'" in r.error
+
+
 def test_only_unavailable_backends_is_bad_usage(capsys, extra_backend):
     extra_backend("offline", Offline)
     assert main(["run", "--backend", "offline", "--cases", SUBSET[0], "--no-timing"]) == 2
@@ -133,6 +149,63 @@ def test_speed_is_measured_and_a_target_can_fail(monkeypatch, extra_backend):
     report = run(picked, ["slow32"], COMMITTED_ROOT, timing=True)
     assert report.results[0].status == "fail" and report.exit_code == 1
     assert report.first_failure_line().startswith("FIRST FAILURE: rmsnorm/T1-D113 on slow32 (block rmsnorm): speed:")
+
+
+def _strict_json(text: str):
+    """json.loads that rejects the NaN / Infinity tokens (not JSON; jq, JavaScript and most readers refuse them)."""
+    def refuse(token):
+        raise ValueError(f"non-JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_report_json_is_strict_json_when_outputs_are_nan(monkeypatch, tmp_path, capsys):
+    """A kernel that writes NaN is the failing run whose report matters most: report.json must still parse."""
+    def nan_rmsnorm(base):
+        return base.replace(rmsnorm=lambda x, w, eps: np.full(np.shape(x), np.nan))
+
+    monkeypatch.setitem(backends.MUTANTS, "test-nan", backends.Mutant("rmsnorm", "NaN everywhere", nan_rmsnorm))
+    monkeypatch.setattr(backends, "_CACHE", {})
+    rc = main(["run", "--backend", "mutant:test-nan", "--cases", SUBSET[0], "--report", str(tmp_path), "--no-timing"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "non-finite mismatch" in out and "FAIL NaN/Inf" in out
+    data = _strict_json((tmp_path / "report.json").read_text())
+    (t,) = data["results"][0]["tensors"]
+    assert t["comparison"]["worst_out"] == "nan" and t["comparison"]["nonfinite_mismatch"]["nan"] == 113
+
+
+def test_a_baseline_that_cannot_be_compared_means_cap_only(monkeypatch, extra_backend):
+    """A baseline returning a misshaped tensor has no error to scale the bound by: not k * 0 + floor."""
+    def bad_shape(base):
+        return base.replace(rmsnorm=lambda x, w, eps: np.asarray(x)[..., :-1])
+
+    extra_backend("offline", lambda: NumpyBackend("offline", "fp32", lambda: bad_shape(backends.reference_cores())))
+    monkeypatch.setitem(gates.BASELINE, "fp32", "offline")
+    report = run(select(all_cases("tiny"), SUBSET[:1]), ["numpy32"], COMMITTED_ROOT, timing=False)
+    (t,) = report.results[0].tensors
+    assert t.baseline_err is None and t.verdict.bound == t.gate.cap and "cap only" in t.verdict.why
+
+
+def test_layer_plot_survives_an_overflowed_error():
+    """A float64 kernel writing 1e200 makes ||out - ref|| overflow to inf: the report still draws (clipped)."""
+    from conformance.report import svg_plot
+
+    page = svg_plot("trace/x", {"numpy64": {0: 0.0, 1: float("inf"), 2: float("nan")}, "mutant": {0: 1e-3}})
+    assert page.startswith("<svg") and page.count("<polyline") == 2 and "1e3<" in page
+
+
+def test_a_backend_named_twice_runs_once():
+    report = run(select(all_cases("tiny"), SUBSET[:1]), ["numpy64", "numpy64"], COMMITTED_ROOT, timing=False)
+    assert len(report.results) == 1 and [b["name"] for b in report.backends] == ["numpy64"]
+
+
+def test_unreadable_manifest_is_bad_input_not_a_traceback(tmp_path, capsys):
+    regenerate(select(all_cases("tiny"), SUBSET[:1]), tmp_path)
+    (tmp_path / "MANIFEST.json").write_text("{not json")
+    assert main(["regen", "--out", str(tmp_path), "--cases", SUBSET[0]]) == 2
+    assert "unreadable manifest" in capsys.readouterr().err
+    (tmp_path / "MANIFEST.json").unlink()          # what the message says to do
+    assert main(["regen", "--out", str(tmp_path), "--cases", SUBSET[0]]) == 0
+    assert goldens.read_golden(tmp_path, SUBSET[0]).tensors
 
 
 # ---- a new kind of case: what conformance/traces.py does (docs/runner.md)
@@ -211,6 +284,19 @@ def test_python_dash_m_is_the_same_cli():
     assert p.returncode == 0 and "rmsnorm/T1-D113" in p.stdout
 
 
+def test_plain_list_shows_everything_incl_the_trace_rows_and_mutant():
+    """A fresh process (nothing imported yet): `k3conf list` with no section lists all four, and the gate rows and
+    mutant that conformance.traces registers are there even though no case was listed."""
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "conformance", "list"], capture_output=True, text=True, cwd=root,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert all(f"{s} (" in p.stdout or f"{s}:" in p.stdout for s in ("cases", "backends", "mutants", "gates"))
+    p = subprocess.run([sys.executable, "-m", "conformance", "list", "gates", "mutants"], capture_output=True,
+                       text=True, cwd=root, timeout=60)
+    assert "(attnres_mix, step*, fp32)" in p.stdout and "mutant:attnres-boundary-off-by-one" in p.stdout
+
+
 @pytest.mark.parametrize("patterns, expected", [
     pytest.param(["mxfp4_gemv"], 3, id="bare-block"),
     pytest.param(["mla_decode/*L65*"], 1, id="glob"),
@@ -248,6 +334,12 @@ def test_unsupported_shape_is_a_skip_with_its_reason_not_a_failure(monkeypatch):
     assert status["kda_decode/B2-H3-K16"] == ("skip", "unsupported by picky: built for K = V = 128")
     assert status["rmsnorm/T1-D113"][0] == "pass"
     assert report.exit_code == 0
+    # a skip is not counted as a pass anywhere
+    assert report.first_failure_line() == ("ALL PASS: 1 (case, backend) result(s) within their gates "
+                                           "(1 skipped: not supported by that backend)")
+    from conformance.report import markdown
+
+    assert "(case, backend) results: 1 of 2 passed, 1 skipped" in markdown(report)
 
 
 def test_trace_falls_back_per_core_and_says_so(monkeypatch):

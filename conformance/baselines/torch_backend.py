@@ -41,6 +41,10 @@ class TorchBackend:
             import torch
         except ImportError as e:
             return False, f"PyTorch is not installed ({e}); {INSTALL_HINT}"
+        try:
+            self.device
+        except RuntimeError as e:   # torch.device() of a bad string, e.g. K3CONF_TORCH_DEVICE=gpu
+            return False, f"device {self._device!r} is not a torch device ({str(e).splitlines()[0]}); use cpu or cuda[:N]"
         if self.device.type == "cuda" and not torch.cuda.is_available():
             return False, f"device {self.device} asked for, but torch {torch.__version__} sees no CUDA GPU"
         return True, f"torch {torch.__version__} {_DTYPE_NAMES[self.name]} on {self.device}"

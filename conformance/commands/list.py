@@ -6,17 +6,24 @@ SECTIONS = ("cases", "backends", "mutants", "gates")
 
 def register(sub) -> None:
     p = sub.add_parser("list", help="list cases, backends (with availability), mutants and gates")
-    p.add_argument("what", nargs="*", choices=SECTIONS, help="sections to show (default: all)")
+    # no `choices=`: Python 3.11's argparse checks the empty default of nargs="*" against them and rejects a
+    # plain `k3conf list`; the sections are checked in run()
+    p.add_argument("what", nargs="*", metavar="{" + ",".join(SECTIONS) + "}", help="sections to show (default: all)")
     p.add_argument("--config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..backends import MUTANTS, availability
-    from ..cases import all_cases
+    from ..cases import all_cases, load_plugins
+    from ..cli import UsageError
     from ..gates import GATES
 
+    unknown = [w for w in args.what if w not in SECTIONS]
+    if unknown:
+        raise UsageError(f"unknown section(s) {unknown}; expected any of {list(SECTIONS)}")
     what = args.what or SECTIONS
+    load_plugins()    # the model traces register their own gate rows and mutant on import
     if "cases" in what:
         cases = all_cases(args.config)
         print(f"cases ({args.config}, {len(cases)}):")
@@ -28,8 +35,9 @@ def run(args) -> int:
             print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}")
     if "mutants" in what:
         print("mutants (run with --backend mutant:<name>):")
+        width = max(map(len, MUTANTS), default=0)
         for name, m in MUTANTS.items():
-            print(f"  mutant:{name:26s} first failure expected in {m.block}: {m.description}")
+            print(f"  mutant:{name:{width}s} first failure expected in {m.block}: {m.description}")
     if "gates" in what:
         print("gates (block, tensor, precision): cap, k, floor -- reason:")
         for (block, tensor, prec), g in GATES.items():

@@ -71,6 +71,9 @@ def run(args) -> int:
     else:
         report = run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing)
     rep.print_terminal(report, console)
-    paths = rep.write_reports(report, args.report)
+    try:
+        paths = rep.write_reports(report, args.report)
+    except OSError as e:
+        raise UsageError(f"cannot write the reports to {args.report} ({e}); pass --report DIR") from None
     console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
     return report.exit_code
