@@ -48,12 +48,18 @@ def available() -> tuple[bool, str]:
 
     if not nvcc_path():
         return False, "nvcc is not on PATH (the kernels are compiled on first use; install the CUDA toolkit)"
+    from .runtime import device_index
+
+    try:
+        index = device_index()
+    except ValueError as e:
+        return False, str(e)
     try:
         cuda.init()
         n = cuda.Device.count()
         if n == 0:
             return False, "the CUDA driver found no device"
-        dev = cuda.Device(int(os.environ.get("K3CUDA_DEVICE", "0")))
+        dev = cuda.Device(index)
         major, minor = dev.compute_capability()
         return True, f"{dev.name()} (sm_{major}{minor}), {n} device(s)"
     except cuda.Error as e:

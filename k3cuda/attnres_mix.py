@@ -78,11 +78,10 @@ def attnres_mix(sources, proj_w, norm_w, mix=1.0, eps=1e-5):
       logit_i = sum_d V_id / sqrt(mean(V_i^2) + eps) * norm_w_d * proj_w_d;  alpha = softmax_i(logit)
       out = (1 - mix) sum_i V_i + mix sum_i alpha_i V_i                    -> [..., D] float32
     """
-    _, _, _, lead, _, _ = check_inputs(sources, proj_w, norm_w, mix, eps)
-    launch = device_launch(dict(sources=sources, proj_w=proj_w, norm_w=norm_w, mix=mix, eps=eps))
+    launch = device_launch(dict(sources=sources, proj_w=proj_w, norm_w=norm_w, mix=mix, eps=eps))  # validates first
     launch()
     out = launch.outputs()["out"]
-    return out.reshape(*lead, out.shape[-1])
+    return out.reshape(*np.shape(sources)[1:-1], out.shape[-1])
 
 
 def traffic(S: int, T: int, D: int) -> Traffic:

@@ -168,6 +168,7 @@ def ptxas_resources(spec: KernelSpec, arch: str, extra=()) -> dict[str, Resource
 
 
 _TYPE_SIZES = {"8": 1, "16": 2, "32": 4, "64": 8}
+_FLOAT_CHARS = "fd"   # prepare() characters of floating-point parameters
 
 
 def _entry_block(ptx_text: str, entry: str) -> tuple[str, str]:
@@ -185,23 +186,26 @@ def ptx_entries(ptx_text: str) -> list[str]:
 
 
 def ptx_entry_param_info(ptx_text: str, entry: str) -> list[dict]:
-    """Each parameter of `.entry entry`: {'name', 'size', 'align', 'ptr'} (ptr: the kernel declared a pointer).
+    """Each parameter of `.entry entry`: {'name', 'size', 'align', 'ptr', 'kind'} (ptr: PTX marked it a pointer;
+    kind: 'f' for a .f32/.f64 parameter, 'b' for a by-value blob, else 'u' (.u/.s/.b integers and pointers)).
 
     Forms: `.param .u64 .ptr .align 1 name` (a pointer; `.align` there is the pointee's, the slot is 8-aligned),
     `.param .u32 name`, `.param .f32 name`, `.param .align 8 .b8 name[16]` (a by-value struct or array).
+    nvcc 13 declares kernel pointers as plain `.param .u64` (no `.ptr`), so a pointer and an int64 look alike.
     """
     params, _ = _entry_block(ptx_text, entry)
     out = []
     for decl in filter(None, (d.strip() for d in params.split(","))):
         m = re.fullmatch(r"\.param\s+\.align\s+(\d+)\s+\.b8\s+(\w+)\[(\d+)\]", decl)
         if m:
-            out.append({"name": m[2], "size": int(m[3]), "align": int(m[1]), "ptr": False})
+            out.append({"name": m[2], "size": int(m[3]), "align": int(m[1]), "ptr": False, "kind": "b"})
             continue
-        m = re.fullmatch(r"\.param\s+\.[usbf](8|16|32|64)(\s+\.ptr.*?)?\s+(\w+)", decl)
+        m = re.fullmatch(r"\.param\s+\.([usbf])(8|16|32|64)(\s+\.ptr.*?)?\s+(\w+)", decl)
         if not m:
             raise ValueError(f".entry {entry}: cannot parse parameter declaration {decl!r}")
-        size = _TYPE_SIZES[m[1]]
-        out.append({"name": m[3], "size": size, "align": size, "ptr": bool(m[2])})
+        size = _TYPE_SIZES[m[2]]
+        out.append({"name": m[4], "size": size, "align": size, "ptr": bool(m[3]),
+                    "kind": "f" if m[1] == "f" else "u"})
     return out
 
 
@@ -236,7 +240,8 @@ def ptx_entry_bounds(ptx_text: str, entry: str) -> tuple[int | None, int | None]
 def check_abi(spec: KernelSpec, arch: str = "sm_90", ptx_text: str | None = None) -> list[str]:
     """Compare each entry's PTX parameters with the wrapper's packing (EntrySpec.packed_layout()).
 
-    Checks: the count, each (offset, size), pointer-vs-value where PTX marks pointers (`.ptr`), and that
+    Checks: the count, each (offset, size), float-vs-integer (PTX .f32/.f64 against 'f'/'d'), pointer-vs-value
+    where PTX marks pointers (`.ptr`; nvcc 13 does not, so there a pointer and an int64 'q' look alike), and that
     __launch_bounds__ agrees with EntrySpec (`.maxntid == block_threads`; the register budget it implies
     >= max_registers). Returns failure messages; empty means pass.
     """
@@ -262,6 +267,11 @@ def check_abi(spec: KernelSpec, arch: str = "sm_90", ptx_text: str | None = None
                              f"wrapper packs {w} for {c!r} (arg_format {e.arg_format!r})")
             elif p["ptr"] and c != "P":
                 fails.append(f"{where}: parameter {i} ({p['name']}) is a pointer in the kernel, "
+                             f"wrapper packs {c!r} (arg_format {e.arg_format!r})")
+            elif p["kind"] != "b" and (p["kind"] == "f") != (c in _FLOAT_CHARS):
+                # same size, other type: an int packed where the kernel reads a float (or back) is garbage
+                fails.append(f"{where}: parameter {i} ({p['name']}) is "
+                             f"{'a float' if p['kind'] == 'f' else 'an integer or pointer'} in the kernel, "
                              f"wrapper packs {c!r} (arg_format {e.arg_format!r})")
         threads, min_blocks = ptx_entry_bounds(ptx, e.name)
         if threads != e.block_threads:

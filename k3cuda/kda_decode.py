@@ -10,6 +10,7 @@ import numpy as np
 
 from k3ref._check import as_float, check_shape, require
 from k3ref.cores import require_supported
+from k3ref.kda import _check_lower_bound, _scale  # the reference core's own checks: one rule for both
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -65,10 +66,9 @@ def device_launch(inputs: dict, entry: str | None = None) -> runtime.Launch:
     """
     arrays, B, H = _check_inputs(*(inputs[n] for n in ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias",
                                                         "state")))
-    lower_bound = inputs.get("lower_bound", -5.0)
-    scale = inputs.get("scale")
-    lb = float("nan") if lower_bound is None else float(lower_bound)
-    sc = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    lower_bound = _check_lower_bound("lower_bound", inputs.get("lower_bound", -5.0))
+    sc = _scale(inputs.get("scale"), HEAD_DIM)
+    lb = float("nan") if lower_bound is None else lower_bound   # NaN selects the softplus gate in the kernel
     names = ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias", "state")
     bufs = {n: runtime.to_device(a) for n, a in zip(names, arrays)}
     bufs["o"] = runtime.empty_poisoned((B, H, HEAD_DIM))
@@ -130,16 +130,23 @@ def make_inputs(rng: np.random.Generator, B: int, H: int, lower_bound=-5.0) -> d
     )
 
 
+# The state is updated in place, so repeated timed launches keep it in L2 when it fits there (an H200 has 60 MB):
+# the bandwidth gate applies only from this state size up, where the measurement is of HBM.
+GATE_MIN_STATE_BYTES = 64 << 20
+
+
 def bench_cases() -> list[BenchCase]:
-    """B in {1, 32, 128} x H in {96, 12}; the state bandwidth gate (0.6 of copy) applies from B = 32."""
+    """B in {1, 32, 128} x H in {96, 12}; the state bandwidth gate (0.6 of copy) applies to the states of
+    >= 64 MiB (B32-H96, B128-H96, B128-H12); B32-H12's 24 MiB state stays in L2 between launches (report only)."""
     cases = []
     for B in (1, 32, 128):
         for H in (96, 12):
+            state_bytes = B * H * HEAD_DIM * HEAD_DIM * 4
             cases.append(BenchCase(
                 label=f"B{B}-H{H}",
                 make_inputs=lambda rng, B=B, H=H: make_inputs(rng, B, H),
                 traffic=traffic(B, H),
-                target_bw_ratio=0.6 if B >= 32 else None,
+                target_bw_ratio=0.6 if state_bytes >= GATE_MIN_STATE_BYTES else None,
             ))
     return cases
 

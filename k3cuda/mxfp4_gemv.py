@@ -83,10 +83,9 @@ def mxfp4_gemv(packed, scale, x):
     -> y [..., N] float32 (float64 for float64 x: the fp32 result widened).
     """
     x_dtype = np.asarray(x).dtype
-    _, _, _, lead = check_inputs(packed, scale, x)
-    launch = device_launch(dict(packed=packed, scale=scale, x=x))
+    launch = device_launch(dict(packed=packed, scale=scale, x=x))   # validates (check_inputs) before any upload
     launch()
-    y = launch.outputs()["y"].reshape(*lead, np.asarray(packed).shape[0])
+    y = launch.outputs()["y"].reshape(*np.shape(x)[:-1], np.shape(packed)[0])
     return y.astype(np.float64) if x_dtype == np.float64 else y
 
 

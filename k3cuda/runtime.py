@@ -26,6 +26,14 @@ _dev = None
 _modules: dict[tuple[KernelSpec, str], tuple[object, dict]] = {}
 
 
+def device_index() -> int:
+    """The GPU to use: $K3CUDA_DEVICE (default 0); a value that is not an index raises ValueError."""
+    raw = os.environ.get("K3CUDA_DEVICE", "0").strip()
+    if not raw.isdigit():
+        raise ValueError(f"K3CUDA_DEVICE: expected a device index (0, 1, ...), found {raw!r}")
+    return int(raw)
+
+
 def driver():
     """pycuda.driver, with the context created and current (first call: cuInit + primary context push)."""
     global _ctx, _dev
@@ -33,7 +41,7 @@ def driver():
 
     if _ctx is None:
         cuda.init()
-        _dev = cuda.Device(int(os.environ.get("K3CUDA_DEVICE", "0")))
+        _dev = cuda.Device(device_index())
         _ctx = _dev.retain_primary_context()
         _ctx.push()
         atexit.register(_release)

@@ -34,6 +34,8 @@ def device_launch(inputs: dict, fused: bool = True) -> runtime.Launch:
     I = gate.shape[-1]
     rows = int(np.prod(gate.shape[:-1], dtype=np.int64))
     require(rows < 2**31 and 2 * I < 2**31, f"gate: expected fewer than 2^31 rows and 2I, found shape {gate.shape}")
+    require(I <= 65535 * THREADS * PER_THREAD,   # grid y = ceil(I / 1024) is limited to 65535
+            f"gate: expected I <= {65535 * THREADS * PER_THREAD} (grid y), found I={I}")
     bufs = {"h": runtime.empty_poisoned(gate.shape)}
     if fused:
         bufs["gate_up"] = runtime.to_device(np.concatenate([gate.reshape(rows, I), up.reshape(rows, I)], axis=1))

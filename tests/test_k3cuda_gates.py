@@ -36,7 +36,7 @@ def test_kernel_resources(block, arch):
 
 @pytest.mark.parametrize("block, arch", KERNEL_ARCH)
 def test_kernel_abi(block, arch):
-    """Every entry's PTX parameters (count, offset, size, pointer-ness) == the wrapper's packing, and
+    """Every entry's PTX parameters (count, offset, size, float vs integer) == the wrapper's packing, and
     __launch_bounds__ agrees with EntrySpec."""
     spec = k3cuda.kernel_module(block).KERNEL
     fails = build.check_abi(spec, arch)
@@ -241,6 +241,27 @@ def test_ptx_entry_params_parses_every_form():
     assert build.ptx_entry_bounds(PTX_SAMPLE, "k") == (256, 2)
     with pytest.raises(ValueError, match="no .entry 'nope'; entries found: \\['k'\\]"):
         build.ptx_entry_params(PTX_SAMPLE, "nope")
+
+
+# (arg_format for PTX_SAMPLE's entry k, the failures check_abi must report; [] = the correct packing)
+ABI_TYPE_CASES = [
+    pytest.param("Pif24sHd", [], id="correct"),
+    pytest.param("Pfi24sHd", ["parameter 1 (k_param_1) is an integer or pointer in the kernel, wrapper packs 'f'",
+                              "parameter 2 (k_param_2) is a float in the kernel, wrapper packs 'i'"],
+                 id="int-and-float-swapped"),
+    pytest.param("Pif24sHq", ["parameter 5 (k_param_5) is a float in the kernel, wrapper packs 'q'"],
+                 id="int64-for-double"),
+    pytest.param("qif24sHd", ["parameter 0 (k_param_0) is a pointer in the kernel, wrapper packs 'q'"],
+                 id="int64-for-marked-pointer"),
+]
+
+
+@pytest.mark.parametrize("fmt, words", ABI_TYPE_CASES)
+def test_abi_gate_checks_float_vs_integer(fmt, words):
+    """Same-size parameters of another type (an int where the kernel reads a float) are caught from the PTX types."""
+    spec = KernelSpec(block="k", source="k.cu", entries=(EntrySpec("k", fmt, 256, register_budget(256, 2)),))
+    fails = build.check_abi(spec, ptx_text=PTX_SAMPLE)
+    assert len(fails) == len(words) and all(w in f for w, f in zip(words, fails)), fails
 
 
 PTXAS_SAMPLE = """ptxas info    : 0 bytes gmem

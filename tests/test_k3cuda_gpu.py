@@ -30,7 +30,7 @@ TOL: dict[str, tuple[float, str]] = {
     "situ_glu": (1e-5, "elementwise fp32 with exact expf/tanhf (a few ulp each), no reduction"),
     "mla_decode": (1e-5, "fp32 dot products over 576 and a softmax over <= a few hundred positions"),
     "mxfp4_gemv": (1e-5, "MXFP4 codes and scales decode exactly in fp32; fp32 accumulation over K <= 7168"),
-    "attnres_mix": (1e-5, "fp32 RMS norms over D, a softmax over <= 13 sources and a weighted sum"),
+    "attnres_mix": (1e-5, "fp32 RMS norms over D, a softmax over <= 9 sources (the kernel's limit) and a weighted sum"),
 }
 
 
@@ -278,6 +278,12 @@ BAD_INPUTS = [
     pytest.param(lambda: _kda_bad("v", np.full((2, 3, 128), np.nan, np.float32)), "v: expected finite values",
                  id="kda-nan-input"),
     pytest.param(_kda_head_dim_64, "expected K = V = 128, found K=64, V=64", id="kda-head-dim-64"),
+    # NaN is the kernel's code for "no lower bound": a NaN passed in must not silently pick the softplus gate
+    pytest.param(lambda: _kda_bad("lower_bound", float("nan")), "lower_bound: expected a finite negative float",
+                 id="kda-nan-lower-bound"),
+    pytest.param(lambda: _kda_bad("lower_bound", 2.0), "lower_bound: expected a finite negative float",
+                 id="kda-positive-lower-bound"),
+    pytest.param(lambda: _kda_bad("scale", float("inf")), "scale: expected a finite float", id="kda-inf-scale"),
     pytest.param(lambda: (k3cuda.kernel_module("rmsnorm").rmsnorm,
                           {"x": np.ones((3, 8), np.float32), "w": np.ones(7, np.float32), "eps": 1e-5}),
                  "w: expected [8]", id="rmsnorm-w-shape"),
@@ -390,3 +396,25 @@ def test_runtime_logic_against_a_fake_pycuda(monkeypatch):
     assert runtime.time_fn(launch, warmup=1, iters=3) == pytest.approx(1e-3)   # one call between the events
     assert runtime.copy_bandwidth(1 << 20, warmup=0, iters=2) == pytest.approx(2 * (1 << 20) / 1e-3)
     assert runtime.multiprocessor_count() == 132
+
+
+def test_available_with_a_fake_pycuda(monkeypatch):
+    """available() answers (True, device) through the driver, and a bad K3CUDA_DEVICE gives (False, why), not a
+    traceback (runtime.driver() raises the same ValueError)."""
+    from k3cuda import build, runtime
+
+    fake = _FakeDriver()
+    fake.Device.count = staticmethod(lambda: 1)
+    fake.Device.name = lambda self: "Fake H200"
+    pkg = types.ModuleType("pycuda")
+    pkg.driver = fake
+    monkeypatch.setitem(sys.modules, "pycuda", pkg)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", fake)
+    monkeypatch.setattr(build, "nvcc_path", lambda: "/usr/bin/nvcc")
+    assert k3cuda.available() == (True, "Fake H200 (sm_90), 1 device(s)")
+    monkeypatch.setenv("K3CUDA_DEVICE", "gpu1")
+    ok, why = k3cuda.available()
+    assert not ok and why == "K3CUDA_DEVICE: expected a device index (0, 1, ...), found 'gpu1'"
+    monkeypatch.setattr(runtime, "_ctx", None)
+    with pytest.raises(ValueError, match="K3CUDA_DEVICE: expected a device index"):
+        runtime.driver()

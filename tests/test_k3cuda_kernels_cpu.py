@@ -9,7 +9,8 @@
 - bench_cases / make_inputs shapes;
 - the mla kernel itself on the CPU emulation (k3cuda.testing.cpu_emulation) with forced split plans, and its
   partials against emulate_split_kv;
-- each kernel (CPU emulation) swapped into the tiny model's prefill + decode against the float64 run.
+- each kernel (CPU emulation) swapped into the tiny model's prefill + decode against the float64 run;
+- the emulation fails kernels with one block barrier removed (it checks barrier discipline).
 Every check case through the kernels (GPU and CPU emulation) and the torch baselines on the CPU are in
 tests/test_k3cuda_gpu.py, shared by all kernels.
 """
@@ -557,3 +558,35 @@ def test_emulated_kernel_in_the_tiny_model(emulated, tiny_model, module):
     out = _tiny_logits(tiny_model, reference_cores().replace(**{block: spy}))
     assert calls, f"the tiny model never called {block}"
     assert rel_rms(out, ref) < tol("fp32_vs_fp64")
+
+
+# (kernel module, the barrier line removed, what it guards) — the emulation runs each fiber up to its next barrier
+# before the next fiber starts, so a missing block barrier reorders a write and another thread's read, every time.
+BARRIER_MUTANTS = [
+    pytest.param("kda_decode", "    __syncthreads();  // everyone has read red before it is reused for o\n",
+                 id="kda-red-reused-before-read"),
+    pytest.param("kda_decode", "    const float beta = k3_sigmoidf(beta_raw[bh]);\n    __syncthreads();\n",
+                 id="kda-norms-read-before-written"),
+    pytest.param("mla_decode", "        __syncthreads();  // every warp is done with the previous tile\n",
+                 id="mla-tile-overwritten-while-read"),
+]
+
+
+@pytest.mark.parametrize("block, line", BARRIER_MUTANTS)
+def test_emulation_catches_a_missing_barrier(emulated, tmp_path, monkeypatch, block, line):
+    """The CPU emulation checks barrier discipline, not only indexing: a kernel with one barrier removed fails."""
+    import dataclasses
+
+    from k3cuda import kernel_module, testing
+
+    mod = kernel_module(block)
+    src = mod.KERNEL.path.read_text()
+    assert src.count(line) == 1, f"{mod.KERNEL.source} no longer has the line this mutant removes: {line!r}"
+    keep = "    const float beta = k3_sigmoidf(beta_raw[bh]);\n" if "beta" in line else ""
+    (tmp_path / mod.KERNEL.source).write_text(src.replace(line, keep))
+    monkeypatch.setattr(mod, "KERNEL", dataclasses.replace(mod.KERNEL, source=str(tmp_path / mod.KERNEL.source)))
+    case = mod.check_cases()[1]
+    d = case.make_inputs(np.random.default_rng(17))
+    ref = testing.reference_core(block)(**testing.to_float64(d))
+    fails = testing.check_outputs(block, getattr(mod, block)(**d), ref, tol("fp32_vs_fp64"))
+    assert fails, f"{block} without {line.strip()!r} still matched the reference on {case.label}"

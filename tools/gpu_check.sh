@@ -8,7 +8,8 @@
 # 3. k3conf run --backend cuda (the conformance runner; skipped with a message if it does not exist yet);
 # 4. tools/gpu_bench.py (CUDA-event medians, GB/s, ratio to copy bandwidth, torch eager speedup).
 # Logs and gpu_bench.json go to $OUT (or reports/gpu_check when $OUT is unset); a short table is printed last.
-# Every step runs even if an earlier one fails; the exit status is the first failure's (0 when all pass).
+# Every step runs even if an earlier one fails; the exit status is the first failure's (0 when all pass; 4 when
+# k3cuda.available() says no, since the GPU tests would then only skip).
 # Budget: under 8 minutes in all (each step has its own timeout).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}   # rich tables stay readable in the logs
@@ -56,7 +57,12 @@ if ! $PY -c "import pycuda" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export K3CUDA_CACHE=${K3CUDA_CACHE:-/tmp/k3cuda-cache}
-$PY -c "import k3cuda; print('k3cuda.available():', k3cuda.available())" 2>&1 | tee "$OUT/available.log"
+# without a usable GPU every gpu test skips and pytest exits 0: make that a failure of the check itself
+if ! $PY -c "import sys, k3cuda; ok, why = k3cuda.available(); print('k3cuda.available():', (ok, why)); sys.exit(not ok)" \
+        2>&1 | tee "$OUT/available.log"; then
+    echo "!! the CUDA backend is not available here (see above): the GPU tests below will only skip"
+    status=4
+fi
 
 step pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests --tb=short -ra
 

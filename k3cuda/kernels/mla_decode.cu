@@ -20,8 +20,7 @@
 //   mla_decode_combine: grid (H, B), 128 threads; M = max_s m_s, o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 // Limits (checked by the wrapper): R % 4 == 0, R <= 512; P % 2 == 0, P <= 64 (rows of other widths than K3's
 // 576 load element by element when W * sizeof(cache) is not a multiple of 16 bytes);
-// B and num_splits <= 65535 (grid z / y). Without __CUDACC__ (g++, the CPU emulation of k3cuda/testing.py) a
-// stand-in for the bf16 names used here replaces cuda_bf16.h.
+// B and num_splits <= 65535 (grid z / y).
 //
 // Versions:
 //   v1: CUDA-core fp32 FMA, split-KV + combine as above (not yet measured on a GPU).
@@ -39,19 +38,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#include <cuda_bf16.h>
-#else
-// Host C++ (the CPU emulation in k3cuda/testing.py compiles this file with g++): the bf16 pieces used here.
-struct __nv_bfloat16 { uint16_t bits; };
-struct __nv_bfloat162 { __nv_bfloat16 x, y; };
-inline float __bfloat162float(__nv_bfloat16 h) {
-    union { uint32_t u; float f; } a;
-    a.u = (uint32_t)h.bits << 16;
-    return a.f;
-}
-inline float2 __bfloat1622float2(__nv_bfloat162 h) { return make_float2(__bfloat162float(h.x), __bfloat162float(h.y)); }
-#endif
+#include <cuda_bf16.h>   // the CPU emulation (k3cuda/testing.py) supplies a stand-in with the names used here
 
 #include "common.cuh"
 
