@@ -47,6 +47,8 @@ def small_model():
     return K3CpuModel.synthetic(K3Config.preset("small"), seed=0, dtype=np.float32)
 
 
+@pytest.mark.xfail(strict=True, reason="target not met yet: measured 3.25-3.96x the floor on 2026-12-02 "
+                   "(docs/measurements.md); strict, so meeting it fails here until this marker is removed")
 def test_small_decode_vs_memory_floor(benchmark, small_model):
     model, prompt = small_model, [3, 1, 4, 1, 5, 9, 2, 6]
     cache = model.new_cache()
@@ -69,3 +71,4 @@ def test_small_decode_vs_memory_floor(benchmark, small_model):
     print(f"\n{blas}; small decode: {1 / t:.2f} tok/s, {t * 1e3:.1f} ms/token, floor {floor * 1e3:.1f} ms "
           f"({decode_bytes(model, state['pos']) / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s), ratio {ratio:.2f}x "
           f"(target <= {DECODE_FLOOR_TARGET}x)")
+    assert ratio <= DECODE_FLOOR_TARGET, f"small decode at {ratio:.2f}x the memory floor (target {DECODE_FLOOR_TARGET}x)"

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conformance.speed import copy_bandwidth, one_blas_thread
 from conformance.speed import timed as _timed
@@ -97,11 +98,13 @@ def decode_race(repeats: int = 20) -> dict[str, float]:
     return {"time_s": best, "floor_bytes": 2 * state.nbytes, "copy_bandwidth": bw}   # S read + new S written
 
 
+@pytest.mark.xfail(strict=True, reason="target not met yet: measured 4.0-4.9x the floor on 2026-12-02 "
+                   "(docs/measurements.md); strict, so meeting it fails here until this marker is removed")
 def test_decode_core_over_memory_floor(benchmark):
-    """Printed, not asserted: the NumPy core goes over S in blocks of 16 heads and still reads S twice from memory
-    (S^T [k | q] and the decay) and runs ~4 NumPy passes per block in cache, where a fused kernel reads it once;
-    the number tracks the reference's own cost next to the floor a kernel is held to. Measured here and in the
-    child of RACE_ENV (there the new 6 MB state is not faulted in afresh on every call)."""
+    """The target (issue 2) is asserted; it is not met yet: the NumPy core goes over S in blocks of 16 heads and
+    still reads S twice from memory (S^T [k | q] and the decay) and runs ~4 NumPy passes per block in cache, where
+    a fused kernel reads it once. Measured here and in the child of RACE_ENV (there the new 6 MB state is not
+    faulted in afresh on every call); the child's ratio is the one asserted."""
     here = decode_race()
     child = _race_in_child("decode_race")
     for label, r in (("this process", here), ("child", child)):
@@ -115,3 +118,5 @@ def test_decode_core_over_memory_floor(benchmark):
                                                                                       (1, 96, 128, 128))]
     o, new_state = benchmark.pedantic(lambda: kda_decode_core(*args), rounds=10, iterations=1)
     assert o.dtype == np.float32 and new_state.dtype == np.float32 and np.all(np.isfinite(o))
+    ratio = child["time_s"] / (child["floor_bytes"] / child["copy_bandwidth"])
+    assert ratio <= DECODE_FLOOR_TARGET, f"KDA decode core at {ratio:.2f}x the memory floor (target {DECODE_FLOOR_TARGET}x)"

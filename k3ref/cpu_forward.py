@@ -99,8 +99,9 @@ class K3CpuModel:
         name = TEXT_PREFIX + "embed_tokens.weight" if self.cfg.tie_word_embeddings else LM_HEAD
         return ModuleView(self.weights, "", self.dtype, self._cast)[name]
 
-    def new_cache(self, num_pages: int = 64, page_size: int = 64) -> HybridCache:
-        return HybridCache(self.cfg, num_pages=num_pages, page_size=page_size, dtype=self.dtype)
+    def new_cache(self, num_pages: int = 64) -> HybridCache:
+        """An empty HybridCache in the model's dtype; `num_pages` pages of the MLA config's page size (64)."""
+        return HybridCache(self.cfg, num_pages=num_pages, page_size=self.mla_cfg.page_size, dtype=self.dtype)
 
 
 @dataclasses.dataclass

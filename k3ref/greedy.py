@@ -34,15 +34,15 @@ def _stack(logits: list[np.ndarray], model: K3CpuModel) -> np.ndarray:
 
 def greedy_decode(model: K3CpuModel, prompt, max_new_tokens: int, *, cores: Cores | None = None,
                   ablation: Ablation = PRODUCTION, on_token: Callable[[int], None] | None = None,
-                  num_pages: int | None = None, page_size: int = 64) -> GreedyResult:
+                  num_pages: int | None = None) -> GreedyResult:
     """Prefill `prompt`, then take argmax tokens one at a time through the hybrid cache.
 
     Ties go to the lowest token id (np.argmax). on_token(tok) is called after each new token.
     """
     ids = _check_prompt(model, prompt, max_new_tokens)
     total = ids.size + max_new_tokens
-    pages = num_pages or -(-total // page_size) + 1
-    cache = model.new_cache(num_pages=pages, page_size=page_size)
+    pages = num_pages or -(-total // model.mla_cfg.page_size) + 1
+    cache = model.new_cache(num_pages=pages)
     seq = cache.add_sequence()
     logits = forward_prefill(model, ids, cache, seq=seq, cores=cores, ablation=ablation)[-1]
     tokens, chosen = [], []

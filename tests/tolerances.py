@@ -10,8 +10,9 @@ TOL: dict[str, tuple[float, str]] = {
     "fp64_same_math": (1e-12, "two float64 forms of one formula; rounding differs by op order only"),
     "fp64_long_recurrence": (1e-10, "float64 forms through T<=200 recurrent steps / chunked WY solves"),
     "fp32_vs_fp64": (1e-5, "float32 path against float64 golden: ~1e-7 per op over <=100s of ops"),
-    "fp32_model": (1e-4, "float32 tiny model vs float64 through every layer and the lm_head; "
-                   "error compounds over ~8 layers x ~20 ops; headroom over the measured value"),
+    "fp32_model": (1e-4, "float32 tiny model vs float64 through 7 layers and the lm_head: measured 2.8e-6 "
+                   "(prompt of 7) and 2.0e-6 (prompt of 12) relative RMS on the logits; ~35x headroom for "
+                   "another BLAS's summation order"),
 }
 
 
