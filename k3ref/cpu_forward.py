@@ -144,10 +144,10 @@ def _mixer(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridCache) -
         return mla_decode_token(w, x, kv, [ctx.seq], m.mla_cfg, cores=ctx.cores)
     require(int(kv.seq_lens([ctx.seq])[0]) == 0,
             f"prefill of sequence {ctx.seq} at layer {layer}: expected an empty cache (continue with decode steps)")
-    _, _, c, k_pe, _ = mla_project(w, x, m.mla_cfg)
+    _, _, c, k_pe, _ = mla_project(w, x, m.mla_cfg, cores=ctx.cores)
     for row in np.concatenate([c, k_pe], axis=-1):
         kv.append([ctx.seq], row[None])
-    return gated_mla_attend(w, x, m.mla_cfg)
+    return gated_mla_attend(w, x, m.mla_cfg, cores=ctx.cores)
 
 
 def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:

@@ -241,21 +241,23 @@ def mla_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, cache: Ml
     return ops.linear(o * ops.sigmoid(gate), _weight(weights, "o_proj.weight", cfg, D, x.dtype))
 
 
-def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaConfig) -> np.ndarray:
+def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaConfig, cores=None) -> np.ndarray:
     """The expanded form over one sequence, causal: keys and values materialised per head.
 
     X: [T, D] -> Y [T, D] in X's dtype. K_h,j = [W_UK,h c_j | k_pe_j], V_h,j = W_UV,h c_j,
     s_h,tj = q_h,t . K_h,j / sqrt(n + r) for j <= t, Y_t = W_o(concat_h softmax(s_h,t) V_h * sigmoid(W_g X_t)).
-    Shares no code with the absorbed path beyond ops.linear/rmsnorm/softmax/sigmoid.
+    Shares no code with the absorbed path beyond ops.linear/softmax/sigmoid and the rmsnorm core (`cores`,
+    reference when None: the host graph's prefill passes the backend's, as the decode path does).
     """
     X = as_float("X", X)
     T, D = check_shape("X", X, (None, None))
     H, n, r, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     w = lambda name: _weight(weights, name, cfg, D, X.dtype)  # noqa: E731
-    q = ops.linear(ops.rmsnorm(ops.linear(X, w("q_a_proj.weight")), w("q_a_layernorm.weight"), cfg.q_norm_eps),
+    rmsnorm = _cores(cores).rmsnorm
+    q = ops.linear(rmsnorm(ops.linear(X, w("q_a_proj.weight")), w("q_a_layernorm.weight"), cfg.q_norm_eps),
                    w("q_b_proj.weight")).reshape(T, H, n + r)
     kv_a = ops.linear(X, w("kv_a_proj_with_mqa.weight"))
-    c = ops.rmsnorm(kv_a[:, :R], w("kv_a_layernorm.weight"), cfg.kv_norm_eps)         # [T, R]
+    c = np.asarray(rmsnorm(kv_a[:, :R], w("kv_a_layernorm.weight"), cfg.kv_norm_eps))  # [T, R]
     kv = ops.linear(c, w("kv_b_proj.weight")).reshape(T, H, n + v)
     K = np.concatenate([kv[..., :n], np.broadcast_to(kv_a[:, None, R:], (T, H, r))], axis=-1)  # [T, H, n+r]
     V = kv[..., n:]                                                                     # [T, H, v]

@@ -96,13 +96,15 @@ def test_cores_are_injected_into_every_layer(tiny):
     forward_prefill(tiny, PROMPT[:2], cache, seq=cache.add_sequence(),
                     cores=reference_cores().replace(rmsnorm=spy_rmsnorm))
     # every layer's input and post norm and the final norm went through the core (the weights are the cached
-    # cast arrays, so identity names the norm); the KDA o_norm and the MoE latent norm do too.
+    # cast arrays, so identity names the norm); the KDA o_norm, the MoE latent norm and the MLA q_a / kv_a norms
+    # of the prefill (expanded form + cache rows) do too.
     want = [id(tiny.layer(i)[n]) for i in range(tiny.cfg.num_hidden_layers)
             for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
     want += [id(tiny.globals()["norm.weight"])]
     want += [id(tiny.layer(i)["block_sparse_moe.routed_expert_norm.weight"])
              for i in range(tiny.cfg.first_k_dense_replace, tiny.cfg.num_hidden_layers)]
     want += [id(tiny.layer(i)["self_attn.o_norm.weight"]) for i in tiny.cfg.kda_layers]
+    want += [id(tiny.layer(i)[f"self_attn.{n}_layernorm.weight"]) for i in tiny.cfg.mla_layers for n in ("q_a", "kv_a")]
     assert set(want) <= set(calls)
 
 
