@@ -46,12 +46,17 @@ PRODUCTION = Ablation()
 
 
 class K3CpuModel:
-    """A K3 config plus its weights (any Mapping of full checkpoint names), computing in `dtype`."""
+    """A K3 config plus its weights (any Mapping of full checkpoint names), computing in `dtype`.
+
+    `expert_store`: the store serving the routed experts (its `bytes_touched` counts what the forward read)
+    when the weights have one (`from_checkpoint`: a `CheckpointWeights`), else None.
+    """
 
     def __init__(self, cfg, weights: Mapping, dtype=np.float64):
         require(np.dtype(dtype) in (np.float32, np.float64), f"dtype: expected float32 or float64, found {dtype}")
         self.cfg = cfg
         self.weights = weights
+        self.expert_store = getattr(weights, "store", None)
         self.dtype = np.dtype(dtype)
         self.graph = K3Graph.from_config(cfg)
         self.kda_cfg = cfg.kda_config()
@@ -67,17 +72,24 @@ class K3CpuModel:
         return cls(cfg, synthetic_weights(cfg, seed, dtype), dtype)
 
     @classmethod
-    def from_checkpoint(cls, path, cfg=None, dtype=np.float32) -> "K3CpuModel":
+    def from_checkpoint(cls, path, cfg=None, dtype=np.float32, expert_store=None) -> "K3CpuModel":
         """Lazy weights from a Hugging Face style checkpoint directory (config: `cfg` or its config.json).
 
+        Routed experts are served by an expert store (`model.expert_store`): the class `expert_store`, or by
+        default the one environment variable K3_EXPERT_BACKEND names (`kind_from_env`: unset = "mmap",
+        zero-copy memmaps of the shards; "reader" = safetensors copies); an unknown name raises its
+        ValueError. Every other tensor is read through CheckpointReader (`CheckpointWeights`).
         Raises ValueError when the headers do not hold every tensor of `cfg` in its shape (say a config that
         does not belong to the checkpoint); `k3conf admit DIR` lists every such problem.
         """
         from pathlib import Path
 
         from .config import K3Config
+        from .cpu_weights import CheckpointWeights
+        from .expert_backend import kind_from_env
         from .weights import CheckpointReader, inventory
 
+        store_kind = expert_store if expert_store is not None else kind_from_env()
         cfg = cfg if cfg is not None else K3Config.from_json(Path(path) / "config.json")
         reader = CheckpointReader(path)
         for spec in inventory(cfg):
@@ -85,7 +97,7 @@ class K3CpuModel:
             require(found is not None and found.shape == spec.shape,
                     f"checkpoint {path}: {spec.name}: expected shape {list(spec.shape)} for this config, found "
                     f"{'no such tensor' if found is None else list(found.shape)}; run `k3conf admit {path}`")
-        return cls(cfg, reader, dtype)
+        return cls(cfg, CheckpointWeights(reader, store_kind(reader)), dtype)
 
     def layer(self, i: int) -> ModuleView:
         require(0 <= i < self.cfg.num_hidden_layers, f"layer: expected 0..{self.cfg.num_hidden_layers - 1}, found {i}")

@@ -5,6 +5,8 @@ from `k3ref.weights.synthetic_weights`, or a lazy `k3ref.weights.CheckpointReade
 shards. `ModuleView` strips a prefix so the block functions see module-local names (`q_proj.weight`),
 casts float tensors to the compute dtype on first use (cached), and leaves U8 MXFP4 bytes as they are,
 so a routed expert is read and dequantised only when the router selects it.
+`CheckpointWeights` is the mapping `K3CpuModel.from_checkpoint` uses: routed-expert tensors come from an
+expert store (`k3ref.expert_backend`, zero-copy memmaps by default), everything else from the reader.
 """
 from __future__ import annotations
 
@@ -12,7 +14,37 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from .expert_backend import MmapExpertStore, parse_expert_name
+from .weights import CheckpointReader
 from .weights import LM_HEAD, TEXT_PREFIX, layer_prefix  # noqa: F401  (re-exported: one definition of the names)
+
+
+class CheckpointWeights(Mapping):
+    """Mapping[full name -> ndarray] over a checkpoint: routed experts through `store`, the rest through `reader`.
+
+    `...block_sparse_moe.experts.{E}.w{1,2,3}.weight_{packed,scale}` is served by `store.tensor(...)` (a
+    read-only view of the shard memmap for the mmap store; its bytes are added to `store.bytes_touched`);
+    every other name by `reader[name]` (bf16 as float32). Iteration, length and membership are the reader's.
+    """
+
+    def __init__(self, reader: CheckpointReader, store: MmapExpertStore):
+        self.reader = reader
+        self.store = store
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        parsed = parse_expert_name(name) if name in self.reader.entries else None
+        if parsed is None:
+            return self.reader[name]
+        return self.store.tensor(*parsed)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.reader)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __contains__(self, name) -> bool:
+        return name in self.reader
 
 
 class ModuleView(Mapping):

@@ -5,18 +5,32 @@ K3's routed experts are ~98% of its bytes (MXFP4, U8). `MmapExpertStore` maps ea
 decode step touches only the experts the router picked; `.bytes_touched` counts what it handed out.
 `PrefetchPlanner` turns router choices for upcoming tokens into an ordered, de-duplicated fetch list
 (first use first) cut at a byte budget. `kind_from_env` picks a store backend by name.
+`parse_expert_name` splits a full routed-expert tensor name into (layer, expert, w, part), so a weight
+mapping (`k3ref.cpu_weights.CheckpointWeights`) can send those names to a store one tensor at a time.
 """
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from .weights import CheckpointReader, HeaderEntry, expert_name
+from .weights import TEXT_PREFIX, CheckpointReader, HeaderEntry, expert_name
 
 PARTS = tuple(f"w{w}_{part}" for w in (1, 2, 3) for part in ("packed", "scale"))
+_FULL_EXPERT_RE = re.compile(re.escape(TEXT_PREFIX)
+                             + r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight_(packed|scale)")
+
+
+def parse_expert_name(name: str) -> tuple[int, int, int, str] | None:
+    """`language_model.model.layers.{L}.block_sparse_moe.experts.{E}.w{W}.weight_{part}` -> (L, E, W, part);
+    None for any other name (the inverse of `k3ref.weights.expert_name`)."""
+    m = _FULL_EXPERT_RE.fullmatch(name)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4)
 
 
 class MmapExpertStore:
@@ -24,6 +38,8 @@ class MmapExpertStore:
 
     get(layer, expert) -> {"w1_packed": u8 [I, L/2], "w1_scale": u8 [I, L/32], "w2_packed": u8 [L, I/2],
     "w2_scale": u8 [L, I/32], "w3_packed", "w3_scale"}: read-only views into the shard memmaps.
+    tensor(layer, expert, w, part) -> one of those six (what a weight mapping asks for, name by name).
+    Both add the bytes handed out to `.bytes_touched`; `.gets` counts get() calls.
     """
 
     name = "mmap"
@@ -34,18 +50,21 @@ class MmapExpertStore:
         self.bytes_touched = 0
         self.gets = 0
 
+    def _entry(self, layer: int, expert: int, w: int, part: str) -> tuple[str, HeaderEntry]:
+        name = expert_name(layer, expert, w, part)
+        h = self.reader.entries.get(name)
+        if h is None:
+            raise KeyError(f"routed expert tensor {name!r} is not in {self.reader.directory} "
+                           f"(is layer {layer} a MoE layer, expert {expert} < n_routed_experts?)")
+        if h.dtype != "U8":
+            raise ValueError(f"{name}: expected U8 MXFP4 bytes, found {h.dtype}")
+        return name, h
+
     def _entries(self, layer: int, expert: int) -> dict[str, HeaderEntry]:
         out = {}
-        for part in PARTS:
-            w, kind = part.split("_")
-            name = expert_name(layer, expert, int(w[1]), kind)
-            h = self.reader.entries.get(name)
-            if h is None:
-                raise KeyError(f"routed expert tensor {name!r} is not in {self.reader.directory} "
-                               f"(is layer {layer} a MoE layer, expert {expert} < n_routed_experts?)")
-            if h.dtype != "U8":
-                raise ValueError(f"{name}: expected U8 MXFP4 bytes, found {h.dtype}")
-            out[part] = h
+        for p in PARTS:
+            w, kind = p.split("_")
+            out[p] = self._entry(layer, expert, int(w[1]), kind)[1]
         return out
 
     def _map(self, path: Path) -> np.memmap:
@@ -53,11 +72,23 @@ class MmapExpertStore:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         return self._maps[path]
 
+    def _read(self, name: str, h: HeaderEntry) -> np.ndarray:
+        """One tensor's bytes: a view of the shard memmap (no copy)."""
+        return self._map(h.path)[h.begin:h.end].reshape(h.shape)
+
+    def tensor(self, layer: int, expert: int, w: int, part: str) -> np.ndarray:
+        """One U8 tensor of a routed expert (w in {1, 2, 3}, part in {"packed", "scale"}); counts its bytes."""
+        name, h = self._entry(layer, expert, w, part)
+        out = self._read(name, h)
+        self.bytes_touched += h.end - h.begin
+        return out
+
     def get(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """The six U8 tensors of one routed expert, as views of the shard memmap (no copy)."""
+        entries = self._entries(layer, expert)   # all six checked before any is counted
         out = {}
-        for part, h in self._entries(layer, expert).items():
-            out[part] = self._map(h.path)[h.begin:h.end].reshape(h.shape)
+        for p, h in entries.items():
+            out[p] = self._read(expert_name(layer, expert, int(p[1]), p.split("_")[1]), h)
             self.bytes_touched += h.end - h.begin
         self.gets += 1
         return out
@@ -72,13 +103,8 @@ class ReaderExpertStore(MmapExpertStore):
 
     name = "reader"
 
-    def get(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        out = {}
-        for part, h in self._entries(layer, expert).items():
-            out[part] = self.reader[expert_name(layer, expert, int(part[1]), part.split("_")[1])]
-            self.bytes_touched += h.end - h.begin
-        self.gets += 1
-        return out
+    def _read(self, name: str, h: HeaderEntry) -> np.ndarray:
+        return self.reader[name]
 
 
 BACKENDS: dict[str, type[MmapExpertStore]] = {"mmap": MmapExpertStore, "reader": ReaderExpertStore}

@@ -8,7 +8,7 @@ import pytest
 
 from k3ref.config import K3Config
 from k3ref.expert_backend import (
-    BACKENDS, PARTS, MmapExpertStore, PrefetchPlanner, ReaderExpertStore, kind_from_env,
+    BACKENDS, PARTS, MmapExpertStore, PrefetchPlanner, ReaderExpertStore, kind_from_env, parse_expert_name,
 )
 from k3ref.weights import CheckpointReader, expert_name, synthetic_checkpoint, synthetic_weights
 
@@ -87,6 +87,43 @@ def test_reader_backend_copies(ckpt, weights):
 def test_get_missing_expert(ckpt, layer, expert):
     with pytest.raises(KeyError, match="not in"):
         MmapExpertStore(ckpt).get(layer, expert)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(MmapExpertStore, id="mmap"),
+                                  pytest.param(ReaderExpertStore, id="reader")])
+def test_tensor_serves_one_part_and_counts_its_bytes(ckpt, weights, kind):
+    store = kind(ckpt)
+    want = _expected(weights, 4, 5)
+    total = 0
+    for part in PARTS:
+        arr = store.tensor(4, 5, int(part[1]), part.split("_")[1])
+        total += want[part].nbytes
+        assert arr.dtype == np.uint8 and np.array_equal(arr, want[part]), part
+        assert store.bytes_touched == total, part
+        if kind is MmapExpertStore:
+            mm = store._maps[store.reader.entries[expert_name(4, 5, int(part[1]), part.split("_")[1])].path]
+            assert _is_view_of(arr, mm) and not arr.flags.writeable, f"{part} was copied"
+    assert total == store.expert_bytes(4, 5) and store.gets == 0
+
+
+def test_tensor_missing_expert(ckpt):
+    store = MmapExpertStore(ckpt)
+    with pytest.raises(KeyError, match="not in"):
+        store.tensor(0, 0, 1, "packed")
+    assert store.bytes_touched == 0
+
+
+@pytest.mark.parametrize("name, want", [
+    pytest.param(expert_name(4, 5, 2, "scale"), (4, 5, 2, "scale"), id="expert"),
+    pytest.param(expert_name(61, 383, 1, "packed"), (61, 383, 1, "packed"), id="k3-sized"),
+    pytest.param("language_model.model.layers.4.block_sparse_moe.gate.weight", None, id="router"),
+    pytest.param("language_model.model.layers.4.block_sparse_moe.shared_experts.gate_proj.weight", None,
+                 id="shared-expert"),
+    pytest.param(expert_name(4, 5, 2, "scale") + ".extra", None, id="suffix"),
+    pytest.param("x." + expert_name(4, 5, 2, "scale"), None, id="prefix"),
+])
+def test_parse_expert_name(name, want):
+    assert parse_expert_name(name) == want
 
 
 # ----- planner -----

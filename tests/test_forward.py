@@ -228,3 +228,146 @@ def test_checkpoint_with_a_foreign_config_is_refused(other_ckpt, capsys):
         K3CpuModel.from_checkpoint(d, K3Config.preset("tiny"))
     assert cli_main(["decode", "--checkpoint", str(d), "--config", "tiny", "--prompt", "1"]) == 2
     assert "k3conf admit" in capsys.readouterr().err
+
+
+# ----- routed experts served by the expert store (k3ref.expert_backend) -----
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny, tmp_path_factory):
+    """The tiny model's weights (seed 7) as a checkpoint, several shards so experts span files."""
+    from k3ref.weights import synthetic_checkpoint
+
+    return synthetic_checkpoint(tiny.cfg, 7, tmp_path_factory.mktemp("tiny_ckpt"), shard_bytes=50_000)
+
+
+def _spy_cores(routes: list, gemv_args: list):
+    """Reference cores that record every moe_route result (indices) and every mxfp4_gemv weight pair."""
+    ref = reference_cores()
+
+    def moe_route(*a, **kw):
+        w, idx = ref.moe_route(*a, **kw)
+        routes.append(np.array(idx))
+        return w, idx
+
+    def mxfp4_gemv(packed, scale, x):
+        gemv_args.append((packed, scale))
+        return ref.mxfp4_gemv(packed, scale, x)
+
+    return ref.replace(moe_route=moe_route, mxfp4_gemv=mxfp4_gemv)
+
+
+def _expert_nbytes(cfg) -> dict[tuple[int, int], int]:
+    """(layer, expert) -> stored bytes of its six MXFP4 tensors, from the inventory (not from any store)."""
+    from k3ref.weights import inventory
+
+    out: dict[tuple[int, int], int] = {}
+    for spec in inventory(cfg):
+        if ".block_sparse_moe.experts." in spec.name:
+            layer = int(spec.name.split(".layers.")[1].split(".")[0])
+            expert = int(spec.name.split(".experts.")[1].split(".")[0])
+            out[(layer, expert)] = out.get((layer, expert), 0) + spec.nbytes
+    return out
+
+
+def _selected(cfg, routes: list) -> set[tuple[int, int]]:
+    """The (layer, expert) pairs in the router's choices: one moe_route call per MoE layer, in layer order."""
+    moe_layers = list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    assert len(routes) == len(moe_layers), f"expected one moe_route call per MoE layer, found {len(routes)}"
+    return {(layer, int(e)) for layer, idx in zip(moe_layers, routes) for e in idx.reshape(-1)}
+
+
+def test_checkpoint_model_serves_experts_from_the_mmap_store(tiny_ckpt, monkeypatch):
+    from k3ref.cpu_weights import CheckpointWeights
+    from k3ref.expert_backend import MmapExpertStore
+
+    monkeypatch.delenv("K3_EXPERT_BACKEND", raising=False)
+    loaded = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+    assert isinstance(loaded.weights, CheckpointWeights)
+    assert type(loaded.expert_store) is MmapExpertStore and loaded.expert_store is loaded.weights.store
+    assert loaded.expert_store.bytes_touched == 0, "loading reads headers only"
+
+
+def test_checkpoint_forward_equals_in_memory_exactly(tiny, tiny_ckpt, monkeypatch):
+    """Experts from memmaps, the rest from the reader: the same bits as the in-memory weights, prefill and decode."""
+    monkeypatch.delenv("K3_EXPERT_BACKEND", raising=False)
+    loaded = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+    c1, c2 = tiny.new_cache(), loaded.new_cache()
+    s1, s2 = c1.add_sequence(), c2.add_sequence()
+    np.testing.assert_array_equal(forward_prefill(loaded, PROMPT, c2, seq=s2),
+                                  forward_prefill(tiny, PROMPT, c1, seq=s1))
+    for i, t in enumerate([11, 2]):
+        pos = len(PROMPT) + i
+        np.testing.assert_array_equal(forward_token(loaded, t, pos, c2, seq=s2),
+                                      forward_token(tiny, t, pos, c1, seq=s1))
+
+
+def test_bytes_touched_are_exactly_the_selected_experts(tiny_ckpt, monkeypatch):
+    monkeypatch.delenv("K3_EXPERT_BACKEND", raising=False)
+    model = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+    store, sizes = model.expert_store, _expert_nbytes(model.cfg)
+    cache = model.new_cache()
+    seq = cache.add_sequence()
+
+    routes: list = []
+    forward_prefill(model, PROMPT, cache, seq=seq, cores=_spy_cores(routes, []))
+    picked = _selected(model.cfg, routes)
+    # a prefill reads each expert that any of its tokens picked once per layer
+    assert store.bytes_touched == sum(sizes[le] for le in picked)
+
+    before, routes = store.bytes_touched, []
+    forward_token(model, 4, len(PROMPT), cache, seq=seq, cores=_spy_cores(routes, []))
+    picked = _selected(model.cfg, routes)
+    moe_layers = model.cfg.num_hidden_layers - model.cfg.first_k_dense_replace
+    assert len(picked) == model.cfg.num_experts_per_tok * moe_layers, "one token: top_k distinct experts a layer"
+    assert store.bytes_touched - before == sum(sizes[le] for le in picked)
+    assert store.bytes_touched - before < sum(sizes.values()), "a decode step must not read every expert"
+
+
+def test_expert_arrays_reaching_the_core_are_memory_mapped(tiny_ckpt, monkeypatch):
+    monkeypatch.delenv("K3_EXPERT_BACKEND", raising=False)
+    model = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+    cache = model.new_cache()
+    routes, gemv_args = [], []
+    forward_token(model, 4, 0, cache, seq=cache.add_sequence(), cores=_spy_cores(routes, gemv_args))
+    maps = list(model.expert_store._maps.values())
+    assert maps and all(isinstance(m, np.memmap) for m in maps)
+    # three gemvs (w1, w3, w2) per selected expert, each handed a packed and a scale array
+    assert len(gemv_args) == 3 * len(_selected(model.cfg, routes))
+
+    def mapped(a):
+        base = a
+        while base is not None and not any(base is m for m in maps):
+            base = base.base
+        return base is not None and np.shares_memory(a, base)
+
+    for packed, scale in gemv_args:
+        assert packed.dtype == np.uint8 and scale.dtype == np.uint8
+        assert mapped(packed) and mapped(scale), "an expert tensor was copied on its way to the core"
+        assert not packed.flags.writeable and not scale.flags.writeable
+
+
+def test_reader_expert_backend_copies_and_agrees(tiny_ckpt, monkeypatch):
+    from k3ref.expert_backend import ReaderExpertStore
+
+    monkeypatch.setenv("K3_EXPERT_BACKEND", "reader")
+    by_reader = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+    monkeypatch.delenv("K3_EXPERT_BACKEND")
+    by_mmap = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+    assert type(by_reader.expert_store) is ReaderExpertStore
+    c1, c2 = by_reader.new_cache(), by_mmap.new_cache()
+    a = forward_prefill(by_reader, PROMPT, c1, seq=c1.add_sequence())
+    b = forward_prefill(by_mmap, PROMPT, c2, seq=c2.add_sequence())
+    np.testing.assert_array_equal(a, b)
+    assert by_reader.expert_store.bytes_touched == by_mmap.expert_store.bytes_touched > 0
+    assert by_reader.expert_store._maps == {}, "the reader backend maps no shard"
+
+
+def test_unknown_expert_backend_is_refused(tiny_ckpt, monkeypatch):
+    monkeypatch.setenv("K3_EXPERT_BACKEND", "nvme")
+    with pytest.raises(ValueError,
+                       match=r"K3_EXPERT_BACKEND='nvme': unknown expert backend; known: \['mmap', 'reader'\]"):
+        K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
+
+
+def test_in_memory_model_has_no_expert_store(tiny):
+    assert tiny.expert_store is None
