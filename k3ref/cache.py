@@ -96,6 +96,22 @@ class MlaKv:
             self.pages[self._tables[s][pos // self.page_size], pos % self.page_size] = rows[b]
             self._lens[s] = pos + 1
 
+    def pop_last(self, seq_ids) -> None:
+        """Undo the last `append(seq_ids, ...)`: each listed sequence drops its last token; the slot gets the pool's
+        fill again and a page that append took goes back to the free list (sorted, so later block tables are as
+        if the step never ran). For callers that must leave the cache untouched when a step fails after its append."""
+        ids = self._ids(seq_ids)
+        empty = [s for s in ids if self._lens[s] == 0]
+        require(not empty, f"MlaKv.pop_last: sequences {empty} hold no token")
+        for s in ids:
+            pos = self._lens[s] - 1
+            page = self._tables[s][pos // self.page_size]
+            self.pages[page, pos % self.page_size] = self.fill
+            self._lens[s] = pos
+            if pos % self.page_size == 0:
+                self._tables[s].pop()
+                self._free = sorted(self._free + [page])
+
     # -- reading -------------------------------------------------------------------------------
     def gather(self, seq_id: int) -> np.ndarray:
         """The sequence's rows in token order: [L, width] (a copy, cache dtype)."""

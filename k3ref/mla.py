@@ -90,12 +90,44 @@ def check_mla_weights(weights: Mapping[str, np.ndarray], cfg: MlaConfig, hidden:
         check_shape(f"weights['{name}']", weights[name], shape)
 
 
-def _weight(weights: Mapping[str, np.ndarray], name: str, cfg: MlaConfig, hidden: int, dtype) -> np.ndarray:
-    """weights[name] checked against mla_weight_shapes and cast to the compute dtype."""
+def _weight(weights: Mapping[str, np.ndarray], name: str, cfg: MlaConfig, hidden: int, dtype, *,
+            scan: bool = False) -> np.ndarray:
+    """weights[name] checked (present, real dtype, shape per mla_weight_shapes) and cast to the compute dtype.
+
+    Values are scanned for NaN/Inf only with scan=True (the 1-D norm weights, cheap); the matrices are not
+    scanned here: their products are (`_proj`, `_checked`), which names the weight's first NaN/Inf when a
+    finite input gives a non-finite output. Scanning every matrix on every call cost ~1.2 ms per MLA layer
+    and decode step on the `small` config (~20 ms of a ~150 ms step)."""
     require(name in weights, f"weights: missing '{name}' (expected shape {mla_weight_shapes(cfg, hidden)[name]})")
-    w = as_float(f"weights['{name}']", weights[name])
+    w = as_float(f"weights['{name}']", weights[name], allow_nan=not scan)
     check_shape(f"weights['{name}']", w, mla_weight_shapes(cfg, hidden)[name])
     return w.astype(dtype, copy=False)
+
+
+def _checked(y: np.ndarray, name: str, w: np.ndarray) -> np.ndarray:
+    """y, a product of weight `name` (values w) with a finite input. Non-finite y raises ValueError at the
+    weight's first NaN/Inf (`weights['...']: expected finite values, found nan at index (i, j)`), or, for a
+    finite weight, says the product overflowed."""
+    if not np.all(np.isfinite(y)):
+        as_float(f"weights['{name}']", w)                              # raises at the weight's first NaN/Inf
+        raise ValueError(f"weights['{name}']: expected finite outputs, found NaN/Inf from finite inputs and "
+                         f"weight (overflow in {y.dtype})")
+    return y
+
+
+def _proj(x: np.ndarray, weights: Mapping[str, np.ndarray], name: str, cfg: MlaConfig, hidden: int) -> np.ndarray:
+    """ops.linear(x, weights[name]) in x's dtype, output checked (`_checked`; ops.linear rejects NaN/Inf in x)."""
+    w = _weight(weights, name, cfg, hidden, x.dtype)
+    return _checked(ops.linear(x, w), name, w)
+
+
+def _normed(norm: str, y, shape: tuple) -> np.ndarray:
+    """The rmsnorm core's output for `norm` (q_a_layernorm / kv_a_layernorm): a wrong shape or a NaN/Inf out
+    of a finite input and a finite weight is the core's, and is named here."""
+    label = f"rmsnorm core output ({norm})"
+    y = as_float(label, y)
+    check_shape(label, y, shape)
+    return y
 
 
 def _cores(cores):
@@ -111,18 +143,28 @@ def mla_project(weights: Mapping[str, np.ndarray], x: np.ndarray, cfg: MlaConfig
     x: [B, D] -> q_nope [B, H, n], q_pe [B, H, r], c [B, R], k_pe [B, r], gate [B, H*v] (gate before sigmoid).
     q = W_qb RMSNorm_q(W_qa x) split per head [q_nope | q_pe]; [c_raw | k_pe] = W_kva x;
     c = RMSNorm_kv(c_raw); gate = W_g x. k_pe and q_pe are used as they are (NoPE: no rotation).
+    Every output is finite: a NaN/Inf raises ValueError naming its source (x, the weight's first NaN/Inf, an
+    overflowing product, or the rmsnorm core), so the [c | k_pe] rows are safe to cache.
     """
     x = as_float("x", x)
     B, D = check_shape("x", x, (None, None))
     cores = _cores(cores)
     H, n, r, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    w = lambda name: _weight(weights, name, cfg, D, x.dtype)  # noqa: E731
-    q_lat = cores.rmsnorm(ops.linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), cfg.q_norm_eps)
-    q = ops.linear(np.asarray(q_lat, dtype=x.dtype), w("q_b_proj.weight")).reshape(B, H, n + r)
-    kv = ops.linear(x, w("kv_a_proj_with_mqa.weight"))
-    c = np.asarray(cores.rmsnorm(kv[:, :R], w("kv_a_layernorm.weight"), cfg.kv_norm_eps), dtype=x.dtype)
-    gate = ops.linear(x, w("g_proj.weight"))
+    norm_w = lambda name: _weight(weights, name, cfg, D, x.dtype, scan=True)  # noqa: E731
+    q_a = _proj(x, weights, "q_a_proj.weight", cfg, D)
+    q_lat = _normed("q_a_layernorm", cores.rmsnorm(q_a, norm_w("q_a_layernorm.weight"), cfg.q_norm_eps),
+                    (B, cfg.q_lora_rank)).astype(x.dtype, copy=False)
+    q = _proj(q_lat, weights, "q_b_proj.weight", cfg, D).reshape(B, H, n + r)
+    kv = _proj(x, weights, "kv_a_proj_with_mqa.weight", cfg, D)
+    c = _normed("kv_a_layernorm", cores.rmsnorm(kv[:, :R], norm_w("kv_a_layernorm.weight"), cfg.kv_norm_eps),
+                (B, R)).astype(x.dtype, copy=False)
+    gate = _proj(x, weights, "g_proj.weight", cfg, D)
     return q[..., :n], q[..., n:], c, kv[:, R:], gate
+
+
+def _split_kv_b(W_kvb: np.ndarray, cfg: MlaConfig) -> tuple[np.ndarray, np.ndarray]:
+    per_head = W_kvb.reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return per_head[:, :cfg.qk_nope_head_dim, :], per_head[:, cfg.qk_nope_head_dim:, :]
 
 
 def split_kv_b(W_kvb: np.ndarray, cfg: MlaConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -130,8 +172,12 @@ def split_kv_b(W_kvb: np.ndarray, cfg: MlaConfig) -> tuple[np.ndarray, np.ndarra
     W_kvb = as_float("W_kvb", W_kvb)
     H, n, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     check_shape("W_kvb", W_kvb, (H * (n + v), R))
-    per_head = W_kvb.reshape(H, n + v, R)
-    return per_head[:, :n, :], per_head[:, n:, :]
+    return _split_kv_b(W_kvb, cfg)
+
+
+def _absorb(q_nope: np.ndarray, q_pe: np.ndarray, W_UK: np.ndarray) -> np.ndarray:
+    q_lat = np.einsum("bhn,hnr->bhr", q_nope, W_UK.astype(q_nope.dtype, copy=False))
+    return np.concatenate([q_lat, q_pe], axis=-1)
 
 
 def absorb_q(q_nope: np.ndarray, q_pe: np.ndarray, W_kvb: np.ndarray, cfg: MlaConfig) -> np.ndarray:
@@ -144,8 +190,7 @@ def absorb_q(q_nope: np.ndarray, q_pe: np.ndarray, W_kvb: np.ndarray, cfg: MlaCo
     q_pe = as_float("q_pe", q_pe).astype(q_nope.dtype, copy=False)
     check_shape("q_pe", q_pe, (B, H, cfg.qk_rope_head_dim))
     W_UK, _ = split_kv_b(W_kvb, cfg)
-    q_lat = np.einsum("bhn,hnr->bhr", q_nope, W_UK.astype(q_nope.dtype, copy=False))
-    return np.concatenate([q_lat, q_pe], axis=-1)
+    return _absorb(q_nope, q_pe, W_UK)
 
 
 def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_lens, *, scale, kv_rank):
@@ -208,14 +253,33 @@ def mla_decode_core(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np.nda
     return o_lat
 
 
+def _check_cache_rows(rows: np.ndarray, cache: MlaKv, ids: list, cfg: MlaConfig) -> None:
+    """The new [c | k_pe] rows [B, R + r] are finite as the cache will store them (in its dtype), else ValueError
+    naming the row's source; mla_project's outputs are finite, so what is left is overflow in a narrow cache
+    dtype (float16 tops out at 65504), which would otherwise poison the sequence for good."""
+    with np.errstate(over="ignore"):                                 # the overflow is reported below
+        stored = rows.astype(cache.dtype)
+    stored = stored if stored.dtype.kind == "f" else stored.astype(np.float32)   # bfloat16
+    if np.all(np.isfinite(stored)):
+        return
+    b, j = (int(i) for i in np.argwhere(~np.isfinite(stored))[0])
+    source = ("k_pe = weights['kv_a_proj_with_mqa.weight'] x" if j >= cfg.kv_lora_rank
+              else "c = rmsnorm(kv_a_proj_with_mqa x; weights['kv_a_layernorm.weight'])")
+    raise ValueError(f"cache rows: expected [c | k_pe] finite in the cache dtype {cache.dtype.name}, found "
+                     f"{float(rows[b, j])} -> {stored[b, j]} at index ({b}, {j}) (sequence {ids[b]}; {source}); "
+                     f"nothing was appended")
+
+
 def mla_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, cache: MlaKv, seq_ids, cfg: MlaConfig,
                      cores=None) -> np.ndarray:
     """One decode step for B sequences: append each token's [c | k_pe] to its sequence, then attend.
 
     x: [B, D] (row b is the next token of sequence seq_ids[b]); cache: MlaKv with width R + r and
-    cfg.page_size -> y [B, D] in x's dtype. Steps: mla_project; cache.append; absorb_q;
+    cfg.page_size -> y [B, D] in x's dtype. Steps: mla_project; absorb_q; cache.append;
     o_lat = cores.mla_decode(...); o_h = W_UV,h o_lat_h; y = W_o (concat_h o_h * sigmoid(gate)).
-    The cache is updated in place (only after x, seq_ids, cache and weight shapes have been checked).
+    All-or-nothing: x, seq_ids, cache, weight shapes, the projections and the new rows are checked before the
+    cache is touched; an error after the append (the mla_decode core's output must be finite and [B, H, R], a
+    NaN/Inf in W_UV or o_proj shows in their products) takes the appended rows back out before it propagates.
     """
     x = as_float("x", x)
     B, D = check_shape("x", x, (None, None))
@@ -229,16 +293,23 @@ def mla_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, cache: Ml
     cores = _cores(cores)
     H, v, R = cfg.num_heads, cfg.v_head_dim, cfg.kv_lora_rank
     q_nope, q_pe, c, k_pe, gate = mla_project(weights, x, cfg, cores)
-    cache.append(ids, np.concatenate([c, k_pe], axis=-1))
     W_kvb = _weight(weights, "kv_b_proj.weight", cfg, D, x.dtype)
-    q_abs = absorb_q(q_nope, q_pe, W_kvb, cfg)
-    o_lat = cores.mla_decode(q_abs, cache.pages, cache.block_table(ids), cache.seq_lens(ids),
-                             scale=cfg.softmax_scale, kv_rank=R)
-    o_lat = as_float("mla_decode core output", o_lat, allow_nan=True).astype(x.dtype, copy=False)
-    check_shape("mla_decode core output", o_lat, (B, H, R))
-    _, W_UV = split_kv_b(W_kvb, cfg)
-    o = np.einsum("bhr,hvr->bhv", o_lat, W_UV).reshape(B, H * v)
-    return ops.linear(o * ops.sigmoid(gate), _weight(weights, "o_proj.weight", cfg, D, x.dtype))
+    W_UK, W_UV = _split_kv_b(W_kvb, cfg)
+    q_abs = _checked(_absorb(q_nope, q_pe, W_UK), "kv_b_proj.weight", W_kvb)
+    rows = np.concatenate([c, k_pe], axis=-1)
+    _check_cache_rows(rows, cache, ids, cfg)
+    cache.append(ids, rows)
+    try:
+        o_lat = cores.mla_decode(q_abs, cache.pages, cache.block_table(ids), cache.seq_lens(ids),
+                                 scale=cfg.softmax_scale, kv_rank=R)
+        o_lat = as_float("mla_decode core output", o_lat)
+        check_shape("mla_decode core output", o_lat, (B, H, R))
+        o_lat = o_lat.astype(x.dtype, copy=False)
+        o = _checked(np.einsum("bhr,hvr->bhv", o_lat, W_UV), "kv_b_proj.weight", W_kvb).reshape(B, H * v)
+        return _proj(o * ops.sigmoid(gate), weights, "o_proj.weight", cfg, D)
+    except BaseException:
+        cache.pop_last(ids)
+        raise
 
 
 def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaConfig, cores=None) -> np.ndarray:
@@ -246,25 +317,28 @@ def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaC
 
     X: [T, D] -> Y [T, D] in X's dtype. K_h,j = [W_UK,h c_j | k_pe_j], V_h,j = W_UV,h c_j,
     s_h,tj = q_h,t . K_h,j / sqrt(n + r) for j <= t, Y_t = W_o(concat_h softmax(s_h,t) V_h * sigmoid(W_g X_t)).
-    Shares no code with the absorbed path beyond ops.linear/softmax/sigmoid and the rmsnorm core (`cores`,
+    Shares no code with the absorbed path beyond ops.linear/softmax/sigmoid (the linears through the
+    same checked `_proj`: a NaN/Inf weight is named by its product) and the rmsnorm core (`cores`,
     reference when None: the host graph's prefill passes the backend's, as the decode path does).
     """
     X = as_float("X", X)
     T, D = check_shape("X", X, (None, None))
     H, n, r, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    w = lambda name: _weight(weights, name, cfg, D, X.dtype)  # noqa: E731
+    proj = lambda Z, name: _proj(Z, weights, name, cfg, D)  # noqa: E731
+    norm_w = lambda name: _weight(weights, name, cfg, D, X.dtype, scan=True)  # noqa: E731
     rmsnorm = _cores(cores).rmsnorm
-    q = ops.linear(rmsnorm(ops.linear(X, w("q_a_proj.weight")), w("q_a_layernorm.weight"), cfg.q_norm_eps),
-                   w("q_b_proj.weight")).reshape(T, H, n + r)
-    kv_a = ops.linear(X, w("kv_a_proj_with_mqa.weight"))
-    c = np.asarray(rmsnorm(kv_a[:, :R], w("kv_a_layernorm.weight"), cfg.kv_norm_eps))  # [T, R]
-    kv = ops.linear(c, w("kv_b_proj.weight")).reshape(T, H, n + v)
+    q_lat = _normed("q_a_layernorm", rmsnorm(proj(X, "q_a_proj.weight"), norm_w("q_a_layernorm.weight"),
+                                             cfg.q_norm_eps), (T, cfg.q_lora_rank))
+    q = proj(q_lat, "q_b_proj.weight").reshape(T, H, n + r)
+    kv_a = proj(X, "kv_a_proj_with_mqa.weight")
+    c = _normed("kv_a_layernorm", rmsnorm(kv_a[:, :R], norm_w("kv_a_layernorm.weight"), cfg.kv_norm_eps), (T, R))
+    kv = proj(c, "kv_b_proj.weight").reshape(T, H, n + v)
     K = np.concatenate([kv[..., :n], np.broadcast_to(kv_a[:, None, R:], (T, H, r))], axis=-1)  # [T, H, n+r]
     V = kv[..., n:]                                                                     # [T, H, v]
     s = np.einsum("thd,jhd->htj", q, K) / math.sqrt(n + r)
     s = np.where(np.tri(T, dtype=bool)[None], s, -np.inf)                               # j <= t
     o = np.einsum("htj,jhv->thv", ops.softmax(s, axis=-1), V).reshape(T, H * v)
-    return ops.linear(o * ops.sigmoid(ops.linear(X, w("g_proj.weight"))), w("o_proj.weight"))
+    return proj(o * ops.sigmoid(proj(X, "g_proj.weight")), "o_proj.weight")
 
 
 def random_mla_weights(cfg: MlaConfig, hidden: int, rng: np.random.Generator, dtype=np.float64) -> dict[str, np.ndarray]:

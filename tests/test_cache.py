@@ -190,3 +190,21 @@ def test_hybrid_cache_kda_state_and_advance_errors(tiny_cfg):
     with pytest.raises(ValueError, match=r"MLA layer \d+ holds 0 tokens of sequence 0, expected 2"):
         cache.advance(seq, 2)                    # no layer has seen the tokens: refused, length unchanged
     assert cache.seq_len(seq) == 0
+
+
+def test_pop_last_undoes_an_append_across_a_page_boundary():
+    kv = MlaKv(num_pages=4, page_size=2, width=3)
+    a, b = kv.add_sequence(), kv.add_sequence()
+    for t in range(2):
+        kv.append([a, b], np.full((2, 3), float(t)))
+    before = (kv.pages.copy(), kv.block_table([a, b]), kv.seq_lens([a, b]), kv.num_free_pages)
+    kv.append([a, b], np.full((2, 3), 9.0))            # both cross into a new page
+    kv.pop_last([a, b])
+    after = (kv.pages, kv.block_table([a, b]), kv.seq_lens([a, b]), kv.num_free_pages)
+    assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+    assert np.array_equal(before[2], after[2]) and before[3] == after[3]
+    kv.append([b], np.full((1, 3), 5.0))                # the freed page is reused, lowest id first
+    assert kv.block_table([b])[0, 1] == min(set(range(4)) - {int(p) for p in kv.block_table([a])[0] if p >= 0}
+                                              - {int(kv.block_table([b])[0, 0])})
+    with pytest.raises(ValueError, match="hold no token"):
+        kv.pop_last([kv.add_sequence()])

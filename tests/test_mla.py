@@ -347,3 +347,149 @@ def test_absorb_q_rejects_wrong_heads():
     cfg, w, _ = make(geo, 1)
     with pytest.raises(ValueError, match=r"q_nope: expected"):
         mla.absorb_q(np.ones((1, geo.H + 1, geo.n)), np.ones((1, geo.H + 1, geo.r)), w["kv_b_proj.weight"], cfg)
+
+
+# --- NaN/Inf policy: weights are checked through their products, core outputs by name ----------------
+
+def _pages_snapshot(cache):
+    return cache.pages.copy(), cache.num_free_pages, cache.seq_lens(cache.sequences).tolist()
+
+
+def _assert_cache_as_before(cache, snap):
+    pages, free, lens = snap
+    np.testing.assert_array_equal(cache.pages, pages)       # bitwise, NaN fill included
+    assert cache.num_free_pages == free and cache.seq_lens(cache.sequences).tolist() == lens
+
+
+def _bad_weight_index(geo, name, part):
+    """An index into weights[name] that the decode step reads: kv_b_proj rows 0..n-1 of head 0 are W_UK
+    (used before the append), rows n.. are W_UV (used after the core)."""
+    if name.endswith("layernorm.weight"):
+        return (3,)
+    if name == "kv_b_proj.weight":
+        return (1, 2) if part == "UK" else (geo.n + 1, 2)
+    return (1, 2)
+
+
+NAN_WEIGHT_CASES = [pytest.param(name, part, bad, id=f"{name}-{part}-{bad}" if part else f"{name}-{bad}")
+                    for name in mla.mla_weight_shapes(mla.K3_MLA, 7)
+                    for part in (("UK", "UV") if name == "kv_b_proj.weight" else ("",))
+                    for bad in ("nan", "inf")]
+
+
+@pytest.mark.parametrize("name, part, bad", NAN_WEIGHT_CASES)
+def test_decode_token_names_a_non_finite_weight_and_leaves_the_cache_alone(name, part, bad):
+    """A NaN/Inf in any weight raises ValueError naming the weight and the index of its first NaN/Inf, and the
+    cache is as it was (empty here): nothing appended, or the append taken back (W_UV, o_proj act after it)."""
+    geo, cfg, w, cache, sid = _decode_setup()
+    x = np.random.default_rng(0).standard_normal((1, geo.D))
+    idx = _bad_weight_index(geo, name, part)
+    w[name] = w[name].copy()
+    w[name][idx] = {"nan": np.nan, "inf": -np.inf}[bad]
+    snap = _pages_snapshot(cache)
+    found = r"nan" if bad == "nan" else r"-inf"
+    with pytest.raises(ValueError, match=rf"weights\['{name}'\]: expected finite values, found {found} at index "
+                                         rf"\({', '.join(map(str, idx))},?\)"):
+        mla.mla_decode_token(w, x, cache, [sid], cfg, mla_cores())
+    assert cache.seq_lens(cache.sequences).tolist() == [0]
+    _assert_cache_as_before(cache, snap)
+
+
+@pytest.mark.parametrize("name, part, bad", [c for c in NAN_WEIGHT_CASES if c.values[2] == "nan"])
+def test_expanded_form_names_a_nan_weight(name, part, bad):
+    geo, cfg, w, _, _ = _decode_setup()
+    idx = _bad_weight_index(geo, name, part)
+    w[name] = w[name].copy()
+    w[name][idx] = np.nan
+    with pytest.raises(ValueError, match=rf"weights\['{name}'\]: expected finite values, found nan at index"):
+        mla.gated_mla_attend(w, np.random.default_rng(0).standard_normal((3, geo.D)), cfg, mla_cores())
+
+
+def test_a_failed_step_leaves_a_used_cache_unchanged_and_usable():
+    """Token 4 of a page-4 cache takes a new page; an o_proj NaN after the append must give the page back and
+    leave every slot bitwise as it was; the next good step then matches a run that never failed."""
+    geo = Geo()
+    cfg, w, rng = make(geo, 7)
+    X = rng.standard_normal((6, geo.D))
+    cache = MlaKv(8, geo.page, cfg.cache_width, fill=np.nan)
+    sid = cache.add_sequence()
+    Y = [mla.mla_decode_token(w, X[t:t + 1], cache, [sid], cfg, mla_cores()) for t in range(4)]
+    snap = _pages_snapshot(cache)
+    bad = w | {"o_proj.weight": w["o_proj.weight"].copy()}
+    bad["o_proj.weight"][0, 0] = np.nan
+    with pytest.raises(ValueError, match=r"weights\['o_proj.weight'\]: expected finite values, found nan"):
+        mla.mla_decode_token(bad, X[4:5], cache, [sid], cfg, mla_cores())
+    _assert_cache_as_before(cache, snap)
+    Y += [mla.mla_decode_token(w, X[t:t + 1], cache, [sid], cfg, mla_cores()) for t in (4, 5)]
+    assert rel_rms(np.concatenate(Y), mla.gated_mla_attend(w, X, cfg)) < tol("fp64_same_math")
+
+
+def test_decode_token_names_an_overflowing_projection():
+    """A finite float32 weight whose product overflows is not a NaN in the weight: the error says so."""
+    geo, cfg, w, _, _ = _decode_setup()
+    w32 = {k: v.astype(np.float32) for k, v in w.items()}
+    w32["g_proj.weight"] = np.full_like(w32["g_proj.weight"], 1e38)
+    cache = MlaKv(4, geo.page, cfg.cache_width, np.float32)
+    sid = cache.add_sequence()
+    with np.errstate(over="ignore"), \
+            pytest.raises(ValueError, match=r"weights\['g_proj.weight'\]: expected finite outputs.*overflow in float32"):
+        mla.mla_decode_token(w32, np.ones((1, geo.D), np.float32), cache, [sid], cfg, mla_cores())
+    assert cache.seq_lens([sid]).tolist() == [0]
+
+
+def test_decode_token_rejects_rows_that_overflow_a_float16_cache():
+    """k_pe of ~1e6 is finite in float64 but inf in a float16 cache: rejected before the append, named."""
+    geo, cfg, w, _, _ = _decode_setup()
+    w["kv_a_proj_with_mqa.weight"] = w["kv_a_proj_with_mqa.weight"].copy()
+    w["kv_a_proj_with_mqa.weight"][geo.R:] *= 1e6
+    cache = MlaKv(4, geo.page, cfg.cache_width, np.float16)
+    sid = cache.add_sequence()
+    with pytest.raises(ValueError, match=r"cache rows: .*float16.*kv_a_proj_with_mqa"):
+        mla.mla_decode_token(w, np.ones((1, geo.D)), cache, [sid], cfg, mla_cores())
+    assert cache.seq_lens([sid]).tolist() == [0]
+
+
+def _nan_core(q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank):
+    o = mla.mla_decode_core(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
+    o[0, 1, 2] = np.nan
+    return o
+
+
+def _short_core(q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank):
+    return mla.mla_decode_core(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)[..., 1:]
+
+
+@pytest.mark.parametrize("core, match", [
+    pytest.param(_nan_core, r"mla_decode core output: expected finite values, found nan at index \(0, 1, 2\)",
+                 id="nan"),
+    pytest.param(_short_core, r"mla_decode core output: expected \[1, 3, 16\], found shape \(1, 3, 15\)", id="shape"),
+])
+def test_decode_token_names_a_bad_core_output(core, match):
+    """As the KDA layer does: a core's NaN or misshaped output is named, not passed on into y; the step is
+    taken back out of the cache (here after two good tokens)."""
+    geo, cfg, w, cache, sid = _decode_setup()
+    X = np.random.default_rng(3).standard_normal((3, geo.D))
+    for t in range(2):
+        mla.mla_decode_token(w, X[t:t + 1], cache, [sid], cfg, mla_cores())
+    snap = _pages_snapshot(cache)
+    with pytest.raises(ValueError, match=match):
+        mla.mla_decode_token(w, X[2:3], cache, [sid], cfg, mla_cores(mla_decode=core))
+    _assert_cache_as_before(cache, snap)
+
+
+@pytest.mark.parametrize("form", ["decode", "expanded"])
+def test_a_nan_from_the_rmsnorm_core_is_named(form):
+    geo, cfg, w, cache, sid = _decode_setup()
+
+    def nan_rmsnorm(x, w_, eps):
+        y = ops.rmsnorm(x, w_, eps)
+        if y.shape[-1] == geo.q_lora:
+            y[..., 1] = np.nan
+        return y
+
+    with pytest.raises(ValueError, match=r"rmsnorm core output \(q_a_layernorm\): expected finite values, found nan"):
+        if form == "decode":
+            mla.mla_decode_token(w, np.ones((1, geo.D)), cache, [sid], cfg, mla_cores(rmsnorm=nan_rmsnorm))
+        else:
+            mla.gated_mla_attend(w, np.ones((2, geo.D)), cfg, mla_cores(rmsnorm=nan_rmsnorm))
+    assert cache.seq_lens([sid]).tolist() == [0]
