@@ -13,7 +13,7 @@ import pytest
 from conformance.speed import copy_bandwidth, one_blas_thread
 from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
-from k3ref.weights import inventory
+from k3ref.weights import inventory, is_routed_expert
 
 DECODE_FLOOR_TARGET = 2.0  # issue 3: one-token decode within 2x of the memory floor
 
@@ -21,24 +21,22 @@ DECODE_FLOOR_TARGET = 2.0  # issue 3: one-token decode within 2x of the memory f
 def decode_bytes(model: K3CpuModel, context: int) -> int:
     """Bytes one decode step must touch (see the module docstring), term by term."""
     cfg, f32 = model.cfg, 4
+    specs = inventory(cfg)
     total = 0
-    for spec in inventory(cfg):
-        n = int(np.prod(spec.shape))
-        if ".experts." in spec.name:
+    for spec in specs:
+        if is_routed_expert(spec.name):
             continue  # counted below: only the selected experts
         if spec.name.endswith("embed_tokens.weight"):
             total += cfg.hidden_size * f32  # one embedding row
         else:
-            total += n * f32  # every other weight, cast to float32 once
-    per_expert = sum(int(np.prod(s.shape)) for s in inventory(cfg)
+            total += spec.numel * f32  # every other weight, cast to float32 once
+    per_expert = sum(s.nbytes for s in specs
                      if ".layers.1.block_sparse_moe.experts.0." in s.name)  # U8 packed + scales
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     total += moe_layers * cfg.num_experts_per_tok * per_expert
     kda, mla = cfg.kda_config(), cfg.mla_config()
-    n_mla = sum(cfg.is_mla(i) for i in range(cfg.num_hidden_layers))
-    n_kda = cfg.num_hidden_layers - n_mla
-    total += n_kda * 2 * kda.num_heads * kda.head_dim * kda.head_dim * f32  # KDA state read + written
-    total += n_mla * context * mla.cache_width * f32  # latent cache rows read
+    total += len(cfg.kda_layers) * 2 * kda.num_heads * kda.head_dim * kda.head_dim * f32  # KDA state read + written
+    total += len(cfg.mla_layers) * context * mla.cache_width * f32  # latent cache rows read
     return total
 
 
