@@ -19,6 +19,7 @@ optionally `copy_bandwidth() -> bytes/s` and `speed_target(block) -> float | Non
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import statistics
 import time
@@ -59,16 +60,12 @@ class NumpyBackend:
         return numpy_copy_bandwidth()
 
 
-_COPY_BW: list[float] = []
-
-
+@functools.cache
 def numpy_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """Bytes/s of a large np.copyto (read + write counted), measured once per process, best of `repeats`."""
-    if not _COPY_BW:
-        from .speed import copy_bandwidth
+    from .speed import copy_bandwidth
 
-        _COPY_BW.append(copy_bandwidth(nbytes, repeats))
-    return _COPY_BW[0]
+    return copy_bandwidth(nbytes, repeats)
 
 
 @dataclasses.dataclass
