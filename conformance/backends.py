@@ -8,13 +8,18 @@ Registry (`k3conf list` shows availability and the reason):
                torch64 / torch / torch-bf16 are the time baselines at fp64 / fp32 / bf16.
 - `cuda`       k3cuda.cuda_cores(reference_cores()) when k3cuda.available() says so; skipped otherwise.
 - `cuda-emu`   the same kernels and wrappers run by the g++ CPU emulation of k3cuda.testing (no GPU, no timing).
-- `mutant:<name>`  numpy64 with one core replaced by a deliberately wrong one from MUTANTS; the mutation
-               tests prove that the runner catches each mistake and names its block first.
+- `mutant:<name>`  numpy64 (or, for the bf16 mutants, torch-bf16) with one core replaced by a deliberately
+               wrong one from MUTANTS; the mutation tests prove that the runner catches each mistake and
+               names its block first.
 Add a backend with `register_backend(name, factory)` and a mutant with `register_mutant(...)`.
 
 A backend object has `name`, `precision` ("fp64" | "fp32" | "bf16"), `available() -> (bool, reason)`,
 `cores() -> Cores` and `time_core(core, inputs) -> float | None` (median seconds, data resident);
-optionally `copy_bandwidth() -> bytes/s` and `speed_target(block) -> float | None`.
+optionally `copy_bandwidth() -> bytes/s`, `speed_target(block) -> float | None` and
+`kernel_cores() -> frozenset[str]`: the names (k3ref.cores.CORE_NAMES) of the cores the backend supplies
+itself; every other core it hands out is k3ref's reference core. The runner reads a case none of whose cores
+is a kernel core as "n/a (reference core)"; a backend without the method supplies all its cores itself.
+DEVICE_BACKENDS may be unavailable under K3_STRICT=1 (they need an accelerator); no other backend may.
 """
 from __future__ import annotations
 
@@ -28,6 +33,15 @@ from collections.abc import Callable
 import numpy as np
 
 from k3ref.cores import CORE_NAMES, Cores, reference_cores
+
+ALL_CORES = frozenset(CORE_NAMES)
+DEVICE_BACKENDS = frozenset({"cuda"})
+
+
+def kernel_cores(backend) -> frozenset[str]:
+    """The cores `backend` supplies itself (all of them when it does not say)."""
+    fn = getattr(backend, "kernel_cores", None)
+    return ALL_CORES if fn is None else frozenset(fn())
 
 
 @dataclasses.dataclass
@@ -44,6 +58,9 @@ class NumpyBackend:
 
     def cores(self) -> Cores:
         return self.make_cores()
+
+    def kernel_cores(self) -> frozenset[str]:
+        return ALL_CORES
 
     def time_core(self, core: str, inputs: dict) -> float | None:
         """Median wall time of `core(**inputs)` over `repeats` calls after one warm-up call."""
@@ -98,6 +115,10 @@ class LazyBackend:
             raise RuntimeError(f"backend {self.name} is unavailable: {self._why}")
         return inner.cores()
 
+    def kernel_cores(self) -> frozenset[str]:
+        inner = self._get()
+        return ALL_CORES if inner is None else kernel_cores(inner)
+
     def time_core(self, core: str, inputs: dict) -> float | None:
         inner = self._get()
         return None if inner is None else inner.time_core(core, inputs)
@@ -113,7 +134,11 @@ class LazyBackend:
 
 def _torch(name: str) -> Callable[[], object]:
     def load():
-        importlib.import_module("torch")
+        try:
+            importlib.import_module("torch")
+        except ImportError as e:
+            raise ImportError(f"PyTorch is not installed ({e}); pip install 'k3-conformance[torch]' "
+                              "(or `make setup`, which installs the CPU build)") from None
         mod = importlib.import_module("conformance.baselines.torch_backend")
         return mod.make_backend(name)
     return load
@@ -138,6 +163,10 @@ class CudaBackend:
 
     def cores(self) -> Cores:
         return self._k3cuda.cuda_cores(reference_cores())
+
+    def kernel_cores(self) -> frozenset[str]:
+        """The cores with an enabled kernel (K3_CUDA_<BLOCK>=0 keeps the reference core)."""
+        return frozenset(b for b in self._k3cuda.KERNEL_MODULES if self._k3cuda.enabled(b))
 
     def _module(self, block: str):
         """k3cuda.<block> when that kernel exists and is enabled, else None."""
@@ -217,11 +246,41 @@ class CudaEmuBackend(CudaBackend):
 
 @dataclasses.dataclass(frozen=True)
 class Mutant:
-    """A known mistake: `make(base) -> Cores` swaps one core of `base`; `block` is where it must show first."""
+    """A known mistake: `make(base) -> Cores` swaps one core of `base`; `block` is where it must show first.
+
+    base: the backend whose cores are mutated and whose precision the mutant runs at ("numpy64": a gross
+    mistake seen at every precision; "torch-bf16": a small one that the bf16 gates must still catch)."""
 
     block: str
     description: str
     make: Callable[[Cores], Cores]
+    base: str = "numpy64"
+
+
+@dataclasses.dataclass
+class MutantBackend:
+    """`base`'s cores with one mutated; unavailable (with the base's reason) where the base cannot run."""
+
+    name: str
+    base: object
+    make: Callable[[Cores], Cores]
+
+    @property
+    def precision(self) -> str:
+        return self.base.precision
+
+    def available(self) -> tuple[bool, str]:
+        ok, why = self.base.available()
+        return ok, (f"mutated {why}" if ok else why)
+
+    def cores(self) -> Cores:
+        return self.make(self.base.cores())
+
+    def kernel_cores(self) -> frozenset[str]:
+        return ALL_CORES
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        return None   # a mutant is about being caught, not about speed
 
 
 def _kda_l2_eps_1e12(base: Cores) -> Cores:
@@ -294,9 +353,39 @@ MUTANTS: dict[str, Mutant] = {
 }
 
 
-def register_mutant(name: str, block: str, description: str, make: Callable[[Cores], Cores]) -> None:
-    """Add a mutant; `k3conf run --backend mutant:<name>` then runs numpy64 with it."""
-    MUTANTS[name] = Mutant(block, description, make)
+def _scaled_by_one_percent(core: str) -> Callable[[Cores], Cores]:
+    """`core`'s floating outputs times (1 +- 1%), the sign drawn per element: 1% relative RMS error, about 3x
+    what bf16 rounding costs a core (torch-bf16 measures 2e-3 .. 6e-3 on the tiny cases)."""
+    def off(a):
+        a = np.asarray(a)
+        if a.dtype.kind != "f":
+            return a
+        sign = np.where(np.random.default_rng(a.size).random(a.shape) < 0.5, -1.0, 1.0)
+        return (a * (1.0 + 0.01 * sign)).astype(a.dtype)
+
+    def make(base: Cores) -> Cores:
+        fn = getattr(base, core)
+
+        def perturbed(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            return tuple(off(o) for o in out) if isinstance(out, tuple) else off(out)
+
+        return base.replace(**{core: perturbed})
+    return make
+
+
+# A bf16 kernel one percent off must fail its block's cases and be named by the layer-by-layer trace.
+BF16_MUTANT_CORES = ("rmsnorm", "situ_glu", "kda_decode", "mla_decode", "mxfp4_gemv", "attnres_mix")
+for _core in BF16_MUTANT_CORES:
+    MUTANTS[f"bf16-{_core.replace('_', '-')}-1pct"] = Mutant(
+        _core, f"torch-bf16 with the {_core} output off by 1% relative (sign random per element)",
+        _scaled_by_one_percent(_core), base="torch-bf16")
+
+
+def register_mutant(name: str, block: str, description: str, make: Callable[[Cores], Cores],
+                    base: str = "numpy64") -> None:
+    """Add a mutant; `k3conf run --backend mutant:<name>` then runs `base` with it."""
+    MUTANTS[name] = Mutant(block, description, make, base)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,7 +422,10 @@ def get_backend(name: str):
         mutant = MUTANTS.get(name[len("mutant:"):])
         if mutant is None:
             raise KeyError(f"unknown mutant {name!r}; known: {['mutant:' + m for m in MUTANTS]}")
-        backend = NumpyBackend(name, "fp64", lambda: mutant.make(reference_cores()))
+        if mutant.base == "numpy64":
+            backend = NumpyBackend(name, "fp64", lambda: mutant.make(reference_cores()))
+        else:
+            backend = MutantBackend(name, get_backend(mutant.base), mutant.make)
     elif name in BACKENDS:
         backend = BACKENDS[name]()
     else:

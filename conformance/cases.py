@@ -36,6 +36,9 @@ GENERATOR_VERSION = "k3conf-cases/1"   # bump when the data or the way a golden 
 CONFIGS = ("tiny", "small")
 PLUGIN_MODULES = ("conformance.traces",)   # kinds registered by other modules, imported when present
 NOTES_KEY = "__notes__"   # evaluate() may return notes (a list of str) under this key, shown with the result
+# evaluate() may return a dict under INFO_KEY: "kernels_ran" (the kernel cores that ran at least once; none:
+# the cell is n/a), "tensor_notes" (tensor -> a line shown with its verdict), "flips" and "teacher_forced"
+INFO_KEY = "__info__"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,10 @@ class CaseKind(Protocol):
 
     def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
         """(median seconds, bytes moved) of the backend on this case, or None when not timed."""
+
+    def cores_of(self, case: Case) -> frozenset[str]:
+        """The cores the case exercises: a backend supplying none of them itself gets "n/a (reference core)".
+        Optional; a kind without it exercises every core."""
 
 
 KINDS: dict[str, CaseKind] = {}
@@ -241,6 +248,9 @@ class CoreKind:
 
     def block_of(self, case: Case, tensor: str) -> str:
         return case.block
+
+    def cores_of(self, case: Case) -> frozenset[str]:
+        return frozenset({self.specs[case.block].core})
 
     def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
         inputs, kwargs = self._inputs(golden, backend)
@@ -514,6 +524,9 @@ class LatentMoeKind:
 
     def block_of(self, case: Case, tensor: str) -> str:
         return case.block
+
+    def cores_of(self, case: Case) -> frozenset[str]:
+        return frozenset({"moe_route", "mxfp4_gemv", "situ_glu", "rmsnorm"})
 
     def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
         return None   # a composite of many cores: the cores are timed in their own cases

@@ -19,24 +19,28 @@ from .runner import CaseResult, RunReport
 
 
 def _cell(r: CaseResult) -> str:
-    """Short status of one (case, backend): 'ok 3e-08' / 'FAIL 2e-03>1e-05' / 'FAIL NaN/Inf' / 'FAIL 2 differ' /
-    'FAIL shape' / 'FAIL speed' / 'skip' / 'ERROR'."""
+    """Short verdict of one (case, backend): 'ok 3e-08' / 'baseline 3e-03' (the precision's baseline, within
+    its own measured cap) / 'FAIL 2e-03>1e-05' / 'FAIL NaN/Inf' / 'FAIL 2 differ' / 'FAIL shape' /
+    'FAIL speed' / 'n/a (reference core)' / 'skip' / 'ERROR'."""
     if r.status == "error":
         return "ERROR"
+    if r.status == "n/a":
+        return "n/a (reference core)"
     w = r.worst
     if w is None:
         return r.status
+    tag = "baseline " if r.role == "baseline" else ""
     if not w.passed:
         if w.comparison.problem and not w.comparison.exact:
-            return "FAIL " + w.comparison.problem.split(":")[0]
+            return "FAIL " + tag + w.comparison.problem.split(":")[0]
         if w.comparison.exact:          # integer tensor: rel_rms is the share of differing elements
-            return f"FAIL {w.comparison.n_total - w.comparison.n_within} differ"
+            return f"FAIL {tag}{w.comparison.n_total - w.comparison.n_within} differ"
         if not w.comparison.nonfinite_ok:
-            return "FAIL NaN/Inf"
-        return f"FAIL {w.comparison.rel_rms:.0e}>{w.verdict.bound:.0e}"
+            return "FAIL " + tag + "NaN/Inf"
+        return f"FAIL {tag}{w.comparison.rel_rms:.0e}>{w.verdict.bound:.0e}"
     if r.status == "fail":
         return "FAIL speed"
-    return f"ok {w.comparison.rel_rms:.0e}"
+    return f"{tag or 'ok '}{w.comparison.rel_rms:.0e}"
 
 
 def _grid(report: RunReport) -> tuple[list[str], list[str], dict]:
@@ -66,7 +70,7 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         for b in backends:
             r = cells.get((c, b))
             text = "-" if r is None else _cell(r)
-            color = {"pass": "green", "skip": "yellow"}.get(getattr(r, "status", None), "red")
+            color = {"pass": "green", "skip": "yellow", "n/a": "cyan"}.get(getattr(r, "status", None), "red")
             row.append(f"[{color}]{text}[/]")
         table.add_row(*row)
     console.print(table)
@@ -75,6 +79,10 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
             console.print(f"skipped {b['name']}: {b['reason']}", style="yellow", highlight=False, markup=False)
     for note in baseline_notes(report):
         console.print(note, style="yellow", highlight=False, markup=False)
+    for line in flip_lines(report):
+        console.print(line, style="red", highlight=False, markup=False)
+    for line in report.strict_missing:
+        console.print(f"K3_STRICT=1: {line}", style="red", highlight=False, markup=False)
     fails = report.failures
     for r in fails[:20]:
         console.print(f"  {r.case} on {r.backend}: {_why(r)}", style="red", highlight=False, markup=False)
@@ -85,16 +93,17 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
 
 
 def _tally(report: RunReport) -> str:
-    """'7 of 9 passed, 1 skipped, 1 failed': a skip (a kernel not built for that shape) is not a pass."""
-    n = len(report.results)
-    passed = sum(r.status == "pass" for r in report.results)
-    skipped = sum(r.status == "skip" for r in report.results)
-    text = f"{passed} of {n} passed"
-    if skipped:
-        text += f", {skipped} skipped"
-    if report.failures:
-        text += f", {len(report.failures)} failed"
-    return text
+    """'169 passed, 1 failed (1 error), 7 n/a, 4 skipped of 181': n/a (only reference cores would run) and
+    skip (a kernel not built for that shape) are neither passes nor failures."""
+    c = report.counts()
+    fail = f"{c['fail']} failed" + (f" ({c['error']} error{'s' if c['error'] != 1 else ''})" if c["error"] else "")
+    return f"{c['pass']} passed, {fail}, {c['n/a']} n/a, {c['skip']} skipped of {c['total']}"
+
+
+def flip_lines(report: RunReport) -> list[str]:
+    """One line per greedy-token flip: case, backend, step, expected and found ids, the reference's margin."""
+    return [f"{r.case} on {r.backend}: greedy token flip at step {f['step']}: expected {f['expected']}, found "
+            f"{f['found']} (reference logit margin {f['margin']:.3g})" for r in report.results for f in r.flips]
 
 
 def _isatty() -> bool:
@@ -109,6 +118,8 @@ def baseline_notes(report: RunReport) -> list[str]:
     notes = set()
     for r in report.results:
         notes.update(f"{r.case} on {r.backend}: {n}" for n in r.notes)
+        if r.status == "n/a":
+            notes.add(f"{r.case} on {r.backend}: n/a, {r.error}")
         for t in r.tensors:
             if t.baseline is not None and t.baseline_err is None and not t.comparison.exact:
                 notes.add(f"baseline {t.baseline} unavailable for {r.precision}: the absolute cap alone applied")
@@ -116,12 +127,22 @@ def baseline_notes(report: RunReport) -> list[str]:
 
 
 def _why(r: CaseResult) -> str:
-    if r.status in ("error", "skip"):
+    if r.status in ("error", "skip", "n/a"):
         return r.error
     t = r.first_failing
     if t is None:
+        if r.status == "pass" and r.worst is not None:
+            return r.worst.verdict.why
         return f"speed: {r.speed.note}" if r.speed else r.status
-    return f"outputs.{t.tensor} (block {t.block}): {t.comparison.summary()} [{t.verdict.why}]"
+    return (f"outputs.{t.tensor} (block {t.block}): " + (f"{t.note}; " if t.note else "")
+            + f"{t.comparison.summary()} [{t.verdict.why}]")
+
+
+def _verdict(t) -> str:
+    """'pass' / 'FAIL' for a gated tensor; 'reported' / 'reported (above bound)' for a reported-only one."""
+    if not t.gated:
+        return "reported" if t.verdict.passed else "reported (above bound)"
+    return "pass" if t.passed else "FAIL"
 
 
 def write_reports(report: RunReport, out_dir: Path) -> list[Path]:
@@ -179,13 +200,18 @@ def speed_text(sp) -> str:
 def markdown(report: RunReport) -> str:
     """The report as Markdown: first failure, per-result table, skipped backends, gate reasons."""
     lines = [f"# k3conf run ({report.config})", "", f"**{report.first_failure_line()}**", ""]
+    c = report.counts()
+    lines += [f"Results (case, backend): **{c['pass']} pass, {c['fail']} fail, {c['n/a']} n/a, {c['skip']} skip** "
+              f"of {c['total']}" + (f" ({c['error']} of the failures are errors)" if c["error"] else "") + ".", ""]
+    lines += [f"- K3_STRICT=1: {m}" for m in report.strict_missing]
     lines += [f"- skipped `{b['name']}`: {b['reason']}" for b in report.backends if not b["available"]]
     lines += [f"- {n}" for n in baseline_notes(report)]
+    lines += [f"- {n}" for n in flip_lines(report)]
     lines += ["", "| case | backend | status | tensor | max abs | rel RMS | bound | passed | worst (out vs ref) | speed |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.results:
         sp = "-" if r.speed is None else speed_text(r.speed)
-        if r.status in ("error", "skip"):
+        if r.status in ("error", "skip", "n/a"):
             lines.append(f"| {r.case} | {r.backend} | {r.status.upper()} | - | - | - | - | - | {r.error.replace('|', '/')} | - |")
             continue
         for t in r.tensors:
@@ -196,15 +222,19 @@ def markdown(report: RunReport) -> str:
                 worst = "-"
             else:
                 worst = f"{list(c.worst_index)}: {c.worst_out:.6g} vs {c.worst_ref:.6g}"
-            lines.append(f"| {r.case} | {r.backend} | {'pass' if t.passed else 'FAIL'} | {t.tensor} | {_fmt(c.max_abs)} | "
+            if t.note:
+                worst = f"{t.note}; {worst}".replace("|", "/")
+            role = " (baseline)" if r.role == "baseline" else ""
+            lines.append(f"| {r.case} | {r.backend}{role} | {_verdict(t)} | {t.tensor} | {_fmt(c.max_abs)} | "
                          f"{_fmt(c.rel_rms)}{versus(t)} | {_fmt(t.verdict.bound)} | {c.passed_line} | {worst} | {sp} |")
-    lines += ["", "## Gate rows used", "", "| block | tensor | precision | cap | k | floor | reason |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Gate rows used", "", "| block | tensor | precision | applies to | cap | k | floor | reason |",
+              "|---|---|---|---|---|---|---|---|"]
     used = {}
     for r in report.results:
         for t in r.tensors:
-            used[tuple(t.gate_key)] = t.gate
-    for key, g in sorted(used.items()):
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {g.cap:g} | {_fmt(g.k)} | {g.floor:g} | {g.reason} |")
+            used[(tuple(t.gate_key), "the baseline itself" if r.role == "baseline" else "other backends")] = t.gate
+    for (key, who), g in sorted(used.items()):
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {who} | {g.cap:g} | {_fmt(g.k)} | {g.floor:g} | {g.reason} |")
     lines.append(f"\n(case, backend) results: {_tally(report)}, in {report.wall_seconds:.1f} s.\n")
     return "\n".join(lines)
 
@@ -213,7 +243,7 @@ _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.3em} .first{padding:.6em;border-radius:4px;font-weight:bold}
 .bad{background:#fde2e2;color:#8b0000} .good{background:#e3f6e3;color:#1d5e1d}
 table{border-collapse:collapse;font-size:.85em;margin:1em 0} td,th{border:1px solid #ccc;padding:2px 6px}
-th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold} td.skip{color:#8a6d00}
+th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold} td.skip{color:#8a6d00} td.na{color:#2a6f8a}
 .note{color:#8a6d00} svg{background:#fff;border:1px solid #ddd;margin:.5em 0}"""
 
 
@@ -224,10 +254,16 @@ def html_report(report: RunReport) -> str:
     out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>k3conf report</title>",
            f"<style>{_CSS}</style></head><body>", f"<h1>k3conf run ({e(report.config)})</h1>",
            f"<p class='first {cls}'>{e(report.first_failure_line())}</p>"]
+    c = report.counts()
+    out.append(f"<p>Results (case, backend): <b>{c['pass']} pass, {c['fail']} fail, {c['n/a']} n/a, {c['skip']} "
+               f"skip</b> of {c['total']}" + (f" ({c['error']} of the failures are errors)" if c["error"] else "")
+               + ".</p>")
+    out += [f"<p class='first bad'>K3_STRICT=1: {e(m)}</p>" for m in report.strict_missing]
     for b in report.backends:
         if not b["available"]:
             out.append(f"<p class='note'>skipped {e(b['name'])}: {e(b['reason'])}</p>")
     out += [f"<p class='note'>{e(n)}</p>" for n in baseline_notes(report)]
+    out += [f"<p class='first bad'>{e(n)}</p>" for n in flip_lines(report)]
     out += _layer_plots(report)
     cases, backends, cells = _grid(report)
     out.append("<table><tr><th>case</th>" + "".join(f"<th>{e(b)}</th>" for b in backends) + "</tr>")
@@ -235,21 +271,25 @@ def html_report(report: RunReport) -> str:
         row = f"<tr><td>{e(c)}</td>"
         for b in backends:
             r = cells.get((c, b))
-            row += "<td>-</td>" if r is None else f"<td class='{r.status}' title='{e(_why(r))}'>{e(_cell(r))}</td>"
+            row += ("<td>-</td>" if r is None else
+                    f"<td class='{r.status.replace('/', '')}' title='{e(_why(r))}'>{e(_cell(r))}</td>")
         out.append(row + "</tr>")
     out.append("</table>")
     out.append("<table><tr><th>case</th><th>backend</th><th>tensor</th><th>status</th><th>max abs</th><th>rel RMS</th>"
                "<th>bound</th><th>passed</th><th>rule</th><th>speed</th></tr>")
     for r in report.results:
-        if r.status in ("error", "skip"):
-            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='{r.status}'>"
+        if r.status in ("error", "skip", "n/a"):
+            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='{r.status.replace('/', '')}'>"
                        f"{r.status.upper()}</td><td colspan='6'>{e(r.error)}</td></tr>")
         for t in r.tensors:
             c = t.comparison
             st = "pass" if t.passed else "fail"
-            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>{e(t.tensor)}</td><td class='{st}'>{st}</td>"
+            role = " (baseline)" if r.role == "baseline" else ""
+            rule = (f"{t.note}; " if t.note else "") + t.verdict.why
+            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend + role)}</td><td>{e(t.tensor)}</td>"
+                       f"<td class='{st}'>{e(_verdict(t))}</td>"
                        f"<td>{_fmt(c.max_abs)}</td><td>{_fmt(c.rel_rms)}{e(versus(t))}</td><td>{_fmt(t.verdict.bound)}</td>"
-                       f"<td>{e(c.passed_line)}</td><td>{e(t.verdict.why)}</td>"
+                       f"<td>{e(c.passed_line)}</td><td>{e(rule)}</td>"
                        f"<td>{'-' if r.speed is None else e(speed_text(r.speed))}</td></tr>")
     out.append("</table></body></html>\n")
     return "\n".join(out)

@@ -7,12 +7,22 @@ command; the run goes on). Per backend the case's kind runs it, each golden outp
 (conformance.compare) and judged by its gate row (conformance.gates). Low-precision rows need the error of
 the same-precision baseline (fp32: numpy32, bf16: torch-bf16) on the same tensor, so the baseline is run
 on the case too (cached) even when it was not asked for; when it cannot run, the cap alone applies and the
-row says so. Speed: each (case, backend) with a timer gets bytes/s over the copy bandwidth measured in the
-same run and its time over the baseline backend's time.
+row says so. The baseline itself is judged by its absolute row (gates.BASELINE_GATES), never by itself.
+Speed: each (case, backend) with a timer gets bytes/s over the copy bandwidth measured in the same run and
+its time over the baseline backend's time.
+
+Every (case, backend) ends as one of: pass, fail (a gate failed), error (the backend or the golden broke;
+counted as a failure), skip (the backend's core raised UnsupportedShape: valid inputs it is not built for)
+or n/a (none of the cores the case exercises is one the backend supplies itself, so only the reference
+core would run: nothing of the backend is tested, and the case is not run). A kind may mark tensors as
+reported, not gated (the free-running trace's intermediates): they are shown and never fail a case.
+Under K3_STRICT=1 a backend that cannot run here, other than those needing an accelerator
+(backends.DEVICE_BACKENDS), fails the run with its reason.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import time
 import traceback
@@ -23,8 +33,8 @@ import numpy as np
 from k3ref.cores import UnsupportedShape
 
 from . import gates
-from .backends import get_backend
-from .cases import NOTES_KEY, Case, kind_of
+from .backends import DEVICE_BACKENDS, get_backend, kernel_cores
+from .cases import INFO_KEY, NOTES_KEY, Case, kind_of
 from .compare import Comparison, compare
 from .goldens import GoldenError, load_manifest, read_golden
 
@@ -47,6 +57,8 @@ class TensorResult:
     baseline: str | None = None          # the baseline backend name, when the row is baseline-relative
     baseline_err: float | None = None
     layer: int | None = None             # trace tensors: the layer index (per-layer error plot)
+    gated: bool = True                   # False: reported only (never fails the case)
+    note: str = ""                       # what the kind says about this tensor (a greedy-token flip, ...)
 
     @property
     def baseline_multiple(self) -> float | None:
@@ -57,11 +69,13 @@ class TensorResult:
 
     @property
     def passed(self) -> bool:
-        return self.verdict.passed
+        """The verdict; a reported-only tensor never fails."""
+        return self.verdict.passed or not self.gated
 
     def to_dict(self) -> dict:
         return {
             "tensor": self.tensor, "block": self.block, "passed": self.passed, "layer": self.layer,
+            "gated": self.gated, "within_bound": self.verdict.passed, "note": self.note,
             "comparison": self.comparison.to_dict(), "gate": {"key": list(self.gate_key), **dataclasses.asdict(self.gate)},
             "bound": self.verdict.bound, "rule": self.verdict.why,
             "baseline": self.baseline, "baseline_err": self.baseline_err, "baseline_multiple": self.baseline_multiple,
@@ -70,10 +84,14 @@ class TensorResult:
 
 @dataclasses.dataclass
 class CaseResult:
-    """One (case, backend): status pass | fail | error | skip, the tensors, an error message, speed.
+    """One (case, backend): status pass | fail | error | skip | n/a, the tensors, an error message, speed.
 
     skip: the backend's core raised UnsupportedShape (valid inputs it is not built for); `error` says why.
-    notes: what a kind reports beside the numbers (a model trace: cores that fell back to the reference)."""
+    n/a: only reference cores would run (or ran) for this backend; `error` says which.
+    role: "baseline" when the backend is the baseline of its precision (gated by its absolute rows).
+    notes: what a kind reports beside the numbers (a model trace: the cores that ran the reference and why).
+    flips: greedy-token flips (step, expected, found, margin); teacher_forced: near-tie choices (argmax or
+    router) for which the backend was given the golden's choice."""
 
     case: str
     block: str
@@ -85,6 +103,9 @@ class CaseResult:
     speed: gates.SpeedResult | None = None
     seconds: float = 0.0
     notes: list[str] = dataclasses.field(default_factory=list)
+    role: str = ""
+    flips: list[dict] = dataclasses.field(default_factory=list)
+    teacher_forced: dict = dataclasses.field(default_factory=dict)
 
     @property
     def first_failing(self) -> TensorResult | None:
@@ -92,15 +113,17 @@ class CaseResult:
 
     @property
     def worst(self) -> TensorResult | None:
-        """The tensor with the largest error relative to its bound."""
-        if not self.tensors:
+        """The gated tensor with the largest error relative to its bound."""
+        gated = [t for t in self.tensors if t.gated]
+        if not gated:
             return None
-        return max(self.tensors, key=lambda t: (not t.passed, t.comparison.rel_rms / max(t.verdict.bound, 1e-300)))
+        return max(gated, key=lambda t: (not t.passed, t.comparison.rel_rms / max(t.verdict.bound, 1e-300)))
 
     def to_dict(self) -> dict:
         return {
             "case": self.case, "block": self.block, "backend": self.backend, "precision": self.precision,
             "status": self.status, "error": self.error, "seconds": self.seconds, "notes": self.notes,
+            "role": self.role, "flips": self.flips, "teacher_forced": self.teacher_forced,
             "tensors": [t.to_dict() for t in self.tensors],
             "speed": None if self.speed is None else dataclasses.asdict(self.speed),
         }
@@ -115,23 +138,34 @@ class RunReport:
     results: list[CaseResult]
     wall_seconds: float
     copy_bandwidth: dict          # backend -> bytes/s measured in this run
+    strict_missing: list[str] = dataclasses.field(default_factory=list)   # K3_STRICT=1: backends that must run
 
     @property
     def failures(self) -> list[CaseResult]:
-        return [r for r in self.results if r.status not in ("pass", "skip")]
+        return [r for r in self.results if r.status in ("fail", "error")]
 
     @property
     def first_failure(self) -> CaseResult | None:
         return self.failures[0] if self.failures else None
 
+    def counts(self) -> dict[str, int]:
+        """(case, backend) results by verdict: pass, fail (errors included), n/a, skip; and errors, total."""
+        st = [r.status for r in self.results]
+        return {"pass": st.count("pass"), "fail": st.count("fail") + st.count("error"), "n/a": st.count("n/a"),
+                "skip": st.count("skip"), "error": st.count("error"), "total": len(st)}
+
     def first_failure_line(self) -> str:
         """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line."""
+        if self.strict_missing:
+            return f"FIRST FAILURE: K3_STRICT=1 and {self.strict_missing[0]}"
         r = self.first_failure
         if r is None:
-            skipped = sum(x.status == "skip" for x in self.results)
-            n = len(self.results) - skipped
-            return (f"ALL PASS: {n} (case, backend) result(s) within their gates"
-                    + (f" ({skipped} skipped: not supported by that backend)" if skipped else ""))
+            c = self.counts()
+            extra = [f"{c['n/a']} n/a: reference core only" if c["n/a"] else "",
+                     f"{c['skip']} skipped: not supported by that backend" if c["skip"] else ""]
+            extra = "; ".join(e for e in extra if e)
+            return (f"ALL PASS: {c['pass']} (case, backend) result(s) within their gates"
+                    + (f" ({extra})" if extra else ""))
         if r.status == "error":
             return f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): error: {r.error}"
         t = r.first_failing
@@ -140,15 +174,16 @@ class RunReport:
             return (f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): speed: bw ratio {sp.bw_ratio} "
                     f"(target {sp.target_bw_ratio}), time ratio {sp.time_ratio} (target {sp.target_time_ratio}); {sp.note}")
         return (f"FIRST FAILURE: {r.case} on {r.backend}: outputs.{t.tensor} (block {t.block}): "
-                f"{t.comparison.summary()} [{t.verdict.why}]")
+                + (f"{t.note}; " if t.note else "") + f"{t.comparison.summary()} [{t.verdict.why}]")
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failures else 0
+        return 1 if self.failures or self.strict_missing else 0
 
     def to_dict(self) -> dict:
         return {
             "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
+            "summary": self.counts(), "strict_missing": self.strict_missing,
             "wall_seconds": self.wall_seconds, "backends": self.backends,
             "copy_bandwidth": self.copy_bandwidth, "results": [r.to_dict() for r in self.results],
         }
@@ -228,11 +263,19 @@ class _Runner:
     def run_one(self, case: Case, backend) -> CaseResult:
         t0 = time.perf_counter()
         res = CaseResult(case.name, case.block, backend.name, backend.precision, "pass")
+        is_baseline = backend.name == gates.BASELINE.get(backend.precision)
+        res.role = "baseline" if is_baseline else ""
+        kind = kind_of(case)
+        exercised = getattr(kind, "cores_of", lambda c: None)(case)
+        if exercised is not None and not exercised & kernel_cores(backend):
+            res.status = "n/a"
+            res.error = (f"reference core: {backend.name} supplies no kernel for {', '.join(sorted(exercised))}, "
+                         "so only k3ref's core would run")
+            return res
         golden = self.golden(case)
         if isinstance(golden, GoldenError):
             res.status, res.error = "error", str(golden)
             return res
-        kind = kind_of(case)
         try:
             outs = self.outputs(case, golden, backend)
         except GoldenError as e:
@@ -247,23 +290,37 @@ class _Runner:
             res.error = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
             return res
         res.notes = [str(n) for n in outs.pop(NOTES_KEY, [])]
-        if backend.name == gates.BASELINE.get(backend.precision):   # the baseline itself: no second run
+        info = outs.pop(INFO_KEY, {})
+        res.flips, res.teacher_forced = list(info.get("flips", [])), dict(info.get("teacher_forced", {}))
+        if "kernels_ran" in info and not info["kernels_ran"]:
+            res.status = "n/a"
+            res.error = (f"reference core: no kernel of {backend.name} ran on this case "
+                         "(every call fell back to k3ref's core; see the notes)")
+            res.seconds = time.perf_counter() - t0
+            return res
+        if is_baseline:   # the baseline itself: no second run
             self.errors[(case.name, backend.name)] = _rel_errors(outs, golden)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
+        gated = getattr(kind, "is_gated", lambda c, t: True)
+        tensor_notes = info.get("tensor_notes", {})
         # name order = compute order (traces number their tensors so), whatever order the file lists them in
         for tensor, ref in sorted(golden.group("outputs").items()):
             block = kind.block_of(case, tensor)
-            key, gate = gates.gate_for(block, tensor, backend.precision)
+            if is_baseline:
+                key, gate = gates.baseline_gate_for(block, tensor, backend.precision)
+            else:
+                key, gate = gates.gate_for(block, tensor, backend.precision)
             if tensor in outs:
                 cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
             else:
                 cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
             b_err = None if base_errs is None or backend.precision == "fp64" else base_errs.get(tensor)
-            verdict = gates.judge(cmp, gate, backend.precision, b_err)
+            verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline)
             m = _LAYER.search(tensor)
             res.tensors.append(TensorResult(tensor, block, cmp, key, gate, verdict,
                                             base_name if backend.precision != "fp64" else None, b_err,
-                                            int(m.group(1)) if m else None))
+                                            int(m.group(1)) if m else None, gated(case, tensor),
+                                            str(tensor_notes.get(tensor, ""))))
         if any(not t.passed for t in res.tensors):
             res.status = "fail"
         res.speed = self.speed(case, golden, backend)
@@ -301,6 +358,19 @@ def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
     return runnable, rows
 
 
+def strict() -> bool:
+    """K3_STRICT=1 (CI): a missing tool or library fails instead of skipping."""
+    return os.environ.get("K3_STRICT", "").strip() == "1"
+
+
+def strict_missing(rows: list[dict]) -> list[str]:
+    """Under K3_STRICT=1: one line per unavailable backend that needs no accelerator, with its reason."""
+    if not strict():
+        return []
+    return [f"backend {r['name']} cannot run here: {r['reason']}" for r in rows
+            if not r["available"] and r["name"] not in DEVICE_BACKENDS]
+
+
 def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, config: str = "tiny",
         timing: bool = True, progress=None) -> RunReport:
     """Run `cases` on the named backends (every registered one when None) against the goldens in `root`.
@@ -318,5 +388,5 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
             if progress:
                 progress(len(results), total, f"{case.name} on {b.name}")
     bw = {k: v for k, v in runner.copy_bw.items() if v}
-    return RunReport(config, rows, results, time.perf_counter() - t0, bw)
+    return RunReport(config, rows, results, time.perf_counter() - t0, bw, strict_missing(rows))
 

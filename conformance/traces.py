@@ -1,17 +1,31 @@
-"""Model traces of `tiny`: the whole host graph with one backend's cores swapped in.
+"""Model traces: the whole host graph with one backend's cores swapped in.
 
-A trace prefills a 7-token prompt and then decodes 5 tokens greedily (6 steps). Two cases:
+A trace prefills a 7-token prompt and then decodes 5 tokens greedily (6 steps) on a model config (the
+case's `model` parameter: `tiny`, or any K3Config preset; add a config with `trace_cases`). Two modes:
 
-- `trace/layerwise-P7-D5`: every layer of every step is fed its *golden* input (the AttnRes state: completed
-  blocks + prefix, and that layer's cache before the step), so an error cannot leak from one layer into the
-  next; the first failing tensor names the step, the layer and the block.
-- `trace/free-P7-D5`: the backend runs freely (teacher-forced on the golden tokens), so the per-layer
-  errors show how error accumulates through depth and across steps; each step's greedy token must agree.
+- `layerwise`: every layer of every step is fed its *golden* input (the AttnRes state: completed blocks +
+  prefix, and that layer's cache before the step), so an error cannot leak from one layer into the next;
+  every tensor is gated and the first failing one names the step, the layer and the block.
+- `free`: the backend runs freely (fed the golden tokens), so the per-layer errors show how error
+  accumulates through depth and across steps. Only the logits and the greedy tokens are gated; the
+  intermediate tensors are reported (the layerwise trace gates them).
 
 Per layer and step the outputs are, in the order they are computed (the number keeps name order = compute
 order, which is how the runner picks the first failure): 1_h (AttnRes mix for the mixer), 2_x_mixer
 (input norm), 3_a (KDA / MLA output), 4_m (AttnRes mix for the MLP), 5_x_mlp (post norm), 6_f (dense SiTU
 MLP or LatentMoE), 7_cache (the layer's cache after the step: KDA recurrent state or the MLA rows appended).
+Per step: `logits` and `token` (the greedy token id, int64, compared exactly).
+
+Discrete choices. The golden stores, per step, the argmax margin (top logit minus the runner-up) and, per MoE
+layer and step, the router's choice and margin (the k-th minus the (k+1)-th selection score). The generator
+refuses a golden whose margin is below TIE_MARGIN (a tie would make the golden's choice arbitrary). Where a
+margin is below the precision's budget (gates.MARGIN_BUDGETS; zero at fp64/fp32) the backend is given the
+golden's choice, a teacher-forced step that the report counts; elsewhere a flipped token fails and is named
+(step, expected id, found id, the reference's margin), and a flipped route shows in its layer's MoE output.
+
+The notes of a result list every core that ran k3ref's reference instead of the backend's own, and why:
+not a kernel core of that backend, or an UnsupportedShape fallback (a kernel built for K3's head_dim 128
+inside a toy model). A trace where no kernel of the backend ran at all is n/a.
 The AttnRes block-boundary mutant (`mutant:attnres-boundary-off-by-one`) lives here too.
 """
 from __future__ import annotations
@@ -21,16 +35,22 @@ import re
 import numpy as np
 
 from k3ref.config import K3Config
+from k3ref.cores import CORE_NAMES, UnsupportedShape, reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, forward_one_layer
 from k3ref.kda import KdaState
+from k3ref.ops import sigmoid
 
 from . import backends, gates
-from .cases import NOTES_KEY, Case, Content, cast, cast_weights, register_kind
+from .cases import INFO_KEY, NOTES_KEY, Case, Content, cast, cast_weights, register_kind
 
 PROMPT = (5, 17, 3, 42, 8, 1, 60)
 DECODE_STEPS = 5
 WEIGHT_SEED = 7
 RECORD = ("h", "x_mixer", "a", "m", "x_mlp", "f")
+# A golden whose router or argmax margin is below these sits on a tie: its choice would be arbitrary and a
+# float32 backend could flip it. Router margins are in selection-score units (sigmoid + bias, ~0.1 apart),
+# argmax margins in logits; float32 moves either by ~1e-6 on these traces, so 1e-4 leaves 100x.
+TIE_MARGIN = {"router": 1e-4, "argmax": 1e-4}
 
 
 def _name(step: int, layer: int, i: int, what: str) -> str:
@@ -51,11 +71,77 @@ def _compute_dtype(precision: str):
     return np.float64 if precision == "fp64" else np.float32
 
 
+def route_margin(logits, bias, top_k: int, n_group: int = 1, topk_group: int = 1) -> np.ndarray:
+    """Per token, how far the router's choice is from changing, in selection-score units: the k-th minus the
+    (k+1)-th score (sigma(logits) + bias) among the experts it may pick, and with n_group > 1 also the
+    topk_group-th minus the next group score (the sum of a group's top 2). logits [T, E] -> [T] (float64)."""
+    choice = sigmoid(np.asarray(logits, np.float64)) + np.asarray(bias, np.float64)
+    T, E = choice.shape
+    margin = np.full(T, np.inf)
+    if n_group > 1:
+        grouped = choice.reshape(T, n_group, E // n_group)
+        gscore = np.sort(grouped, axis=-1)[..., ::-1][..., :2].sum(-1)          # [T, n_group]
+        order = np.argsort(-gscore, axis=-1, kind="stable")
+        if topk_group < n_group:
+            ranked_g = np.take_along_axis(gscore, order, axis=-1)
+            margin = ranked_g[:, topk_group - 1] - ranked_g[:, topk_group]
+        keep = np.zeros((T, n_group), bool)
+        np.put_along_axis(keep, order[:, :topk_group], True, axis=-1)
+        choice = np.where(keep[..., None], grouped, -np.inf).reshape(T, E)
+    ranked = -np.sort(-choice, axis=-1)
+    if top_k < E:
+        runner_up = ranked[:, top_k]
+        gap = np.where(np.isfinite(runner_up), ranked[:, top_k - 1] - runner_up, np.inf)
+        margin = np.minimum(margin, gap)
+    return margin
+
+
+def argmax_margin(logits) -> float:
+    """Top logit minus the runner-up."""
+    top2 = -np.sort(-np.asarray(logits, np.float64))[:2]
+    return float(top2[0] - top2[1])
+
+
+class _RouterTap:
+    """Wraps the moe_route core. Generating: records each (step, layer)'s choice and margin. Evaluating: where
+    the golden's margin is below `budget`, gives the backend the golden's choice (weights from the backend's
+    own logits, as the core would) and counts it."""
+
+    def __init__(self, route, golden: dict | None = None, budget: float = 0.0):
+        self.route, self.golden, self.budget = route, golden, budget
+        self.where = ""
+        self.record: dict[str, np.ndarray] = {}
+        self.forced = 0
+
+    def __call__(self, logits, bias, top_k, n_group=1, topk_group=1, renormalize=True, scaling=1.0):
+        w, idx = self.route(logits, bias, top_k, n_group=n_group, topk_group=topk_group,
+                            renormalize=renormalize, scaling=scaling)
+        if self.golden is None:
+            self.record[f"route.{self.where}.choice"] = np.asarray(idx, np.int64)
+            self.record[f"route.{self.where}.margin"] = route_margin(logits, bias, top_k, n_group, topk_group)
+            return w, idx
+        margin = self.golden.get(f"route.{self.where}.margin")
+        if margin is None or self.budget <= 0:
+            return w, idx
+        near = np.asarray(margin) < self.budget
+        if not near.any():
+            return w, idx
+        self.forced += int(near.sum())
+        gold = np.asarray(self.golden[f"route.{self.where}.choice"]).astype(np.int64)
+        s = sigmoid(np.asarray(logits))
+        gw = np.take_along_axis(s, gold, axis=-1)
+        if renormalize:
+            gw = gw / (np.sum(gw, axis=-1, keepdims=True) + 1e-20)
+        gw = (gw * scaling).astype(np.asarray(w).dtype)
+        return np.where(near[:, None], gw, w), np.where(near[:, None], gold, np.asarray(idx))
+
+
 class _Stepper:
     """Runs the 6 steps of a trace, optionally feeding each layer its golden input state."""
 
-    def __init__(self, model: K3CpuModel, cores, feed=None):
-        self.model, self.cores, self.feed = model, cores, feed
+    def __init__(self, model: K3CpuModel, cores, feed=None, tap: _RouterTap | None = None):
+        self.model, self.feed, self.tap = model, feed, tap
+        self.cores = cores if tap is None else cores.replace(moe_route=tap)
         self.cache = model.new_cache()
         self.seq = self.cache.add_sequence()
 
@@ -66,7 +152,8 @@ class _Stepper:
             yield s, tokens[n + s - 1:n + s]
 
     def run(self, tokens: np.ndarray, snapshot: dict | None = None) -> dict[str, np.ndarray]:
-        """Outputs by name; `snapshot` (generation only) receives every layer's input state."""
+        """Outputs by name (logits: float; greedy tokens: the backend's argmax, int64); `snapshot`
+        (generation only) receives every layer's input state."""
         m, out = self.model, {}
         for s, toks in self.steps(tokens):
             ctx = ForwardContext(m, self.cores, self.seq, prefill=(s == 0))
@@ -79,6 +166,8 @@ class _Stepper:
                     self.feed.layer_cache(self.cache, self.seq, s, l)
                 if snapshot is not None:
                     _snapshot_layer(snapshot, f"step{s}.layer{l:02d}", hub, self.cache, self.seq, l)
+                if self.tap is not None:
+                    self.tap.where = f"step{s}.layer{l:02d}"
                 rows_before = _mla_len(self.cache, self.seq, l)
                 hub, self.cache, rec = forward_one_layer(ctx, l, hub, self.cache)
                 for i, what in enumerate(RECORD, 1):
@@ -91,9 +180,7 @@ class _Stepper:
             logits = final_logits(ctx, hub)
             self.cache.advance(self.seq, len(toks))
             out[f"step{s}.logits"] = logits[-1]
-            # float, not int: compared numerically so that the gate table decides (exact at fp64/fp32,
-            # baseline-relative at bf16, where a near-tie may flip the argmax as it flips routes)
-            out[f"step{s}.token"] = np.array([float(np.argmax(logits[-1]))])
+            out[f"step{s}.token"] = np.array([np.argmax(logits[-1])], dtype=np.int64)
         return out
 
 
@@ -131,7 +218,8 @@ class _GoldenFeed:
     def __init__(self, inter: dict[str, np.ndarray], precision: str):
         # the KDA recurrent state is fp32 in K3 (DESIGN.md section 3), as in the free run and the kda cases
         keep32 = "fp32" if precision == "bf16" else precision
-        self.inter = {k: cast(v, keep32 if k.endswith(".kda.recurrent") else precision) for k, v in inter.items()}
+        self.inter = {k: cast(v, keep32 if k.endswith(".kda.recurrent") else precision) for k, v in inter.items()
+                      if k.startswith("step")}
         self.dtype = _compute_dtype(precision)
 
     def hub(self, hub, key: str):
@@ -159,71 +247,117 @@ class _GoldenFeed:
             cache.set_kda_state(layer, seq, KdaState(f["conv_q"], f["conv_k"], f["conv_v"], f["recurrent"]))
 
 
-def _with_fallback(cores):
-    """The backend's cores, each falling back to the reference core on UnsupportedShape (a kernel built for
-    K3's head_dim 128 inside the toy model); the returned dict collects which fell back and why."""
-    from k3ref.cores import CORE_NAMES, UnsupportedShape, reference_cores
-
-    ref, fallbacks = reference_cores(), {}
+def _guard_kernels(cores, kernel_names):
+    """The backend's cores with each of its kernel cores falling back to the reference core on UnsupportedShape;
+    returns (cores, calls, fallbacks): calls[name] counts the calls of each kernel core, fallbacks[name] =
+    [count, first reason] for those that fell back."""
+    ref, calls, fallbacks = reference_cores(), {}, {}
 
     def guarded(name, fn):
         def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
             try:
                 return fn(*args, **kwargs)
             except UnsupportedShape as e:
-                fallbacks[name] = str(e)
+                fallbacks.setdefault(name, [0, str(e)])[0] += 1
                 return getattr(ref, name)(*args, **kwargs)
         return call
 
-    swaps = {n: guarded(n, getattr(cores, n)) for n in CORE_NAMES
-             if n != "attnres_hub" and getattr(cores, n) is not getattr(ref, n)}
-    return cores.replace(**swaps), fallbacks
+    swaps = {n: guarded(n, getattr(cores, n)) for n in CORE_NAMES if n in kernel_names and n != "attnres_hub"}
+    return cores.replace(**swaps), calls, fallbacks
+
+
+def _model_name(case: Case) -> str:
+    return case.params.get("model", case.config)
 
 
 class TraceKind:
-    """`trace/*`: the tiny model through every layer with the backend's cores (see the module docstring)."""
+    """`trace/*`: a model config through every layer with the backend's cores (see the module docstring)."""
 
     name = "trace"
-    TABLE = {"tiny": [("trace/layerwise-P7-D5", {"mode": "layerwise"}), ("trace/free-P7-D5", {"mode": "free"})]}
+    TABLE: dict[str, list[tuple[str, dict]]] = {}
 
     def cases(self, config: str) -> list[Case]:
         return [Case(n, self.name, config, WEIGHT_SEED, p) for n, p in self.TABLE.get(config, [])]
 
     def generate(self, case: Case) -> Content:
-        from k3ref.cores import reference_cores
         from k3ref.greedy import greedy_decode
         from k3ref.weights import synthetic_weights
 
-        cfg = K3Config.preset(case.config)
+        cfg = K3Config.preset(_model_name(case))
         weights = synthetic_weights(cfg, case.seed)
         model = K3CpuModel(cfg, weights, np.float64)
         new = greedy_decode(model, list(PROMPT), DECODE_STEPS).tokens
         tokens = np.array(list(PROMPT) + new, dtype=np.int64)
         snapshot: dict[str, np.ndarray] = {}
-        outputs = _Stepper(model, reference_cores()).run(tokens, snapshot)
+        tap = _RouterTap(reference_cores().moe_route)
+        outputs = _Stepper(model, reference_cores(), tap=tap).run(tokens, snapshot)
+        margins = {f"argmax.step{s}.margin": np.array([argmax_margin(outputs[f"step{s}.logits"])])
+                   for s in range(DECODE_STEPS + 1)}
+        _refuse_ties(case, tap.record, margins)
         tensors = {"inputs.tokens": tokens, **{f"weights.{k}": _stored(v) for k, v in weights.items()},
-                   **{f"outputs.{k}": v for k, v in outputs.items()}}
+                   **{f"outputs.{k}": v for k, v in outputs.items()},
+                   **{f"inter.{k}": v for k, v in {**tap.record, **margins}.items()}}
         if case.params["mode"] == "layerwise":
             tensors.update(snapshot)
-        return Content(tensors, {"mode": case.params["mode"], "config": case.config})
+        return Content(tensors, {"mode": case.params["mode"], "config": _model_name(case)})
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         golden.require(["inputs.tokens"])
-        cfg = K3Config.preset(golden.kwargs.get("config", case.config))
+        model_name = golden.kwargs.get("config", _model_name(case))
+        cfg = K3Config.preset(model_name)
         p = backend.precision
         model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), _compute_dtype(p))
-        feed = _GoldenFeed(golden.group("inter"), p) if golden.kwargs["mode"] == "layerwise" else None
-        cores, fallbacks = _with_fallback(backend.cores())
-        out = _Stepper(model, cores, feed).run(golden.group("inputs")["tokens"])
-        out[NOTES_KEY] = [f"{core}: the reference core ran instead ({why})" for core, why in sorted(fallbacks.items())]
+        inter = golden.group("inter")
+        feed = _GoldenFeed(inter, p) if golden.kwargs["mode"] == "layerwise" else None
+        own = backends.kernel_cores(backend)
+        cores, calls, fallbacks = _guard_kernels(backend.cores(), own)
+        budgets = {c: v[0] for c, v in gates.MARGIN_BUDGETS.get(p, {}).items()}
+        tap = _RouterTap(cores.moe_route, inter, budgets.get("router", 0.0))
+        out = _Stepper(model, cores, feed, tap).run(golden.group("inputs")["tokens"])
+        info = {"teacher_forced": {"router": tap.forced, "argmax": 0}, "flips": [], "tensor_notes": {}}
+        self._judge_tokens(golden, out, budgets.get("argmax", 0.0), info)
+        notes = [f"{core}: k3ref's reference core ran (not a kernel core of {backend.name})"
+                 for core in CORE_NAMES if core not in own]
+        for core, (n, why) in sorted(fallbacks.items()):
+            notes.append(f"{core}: k3ref's reference core ran instead on {n} of {calls[core]} call(s) "
+                         f"(UnsupportedShape: {why})")
+        forced = info["teacher_forced"]
+        if forced["router"] or forced["argmax"]:
+            notes.append(f"teacher-forced near-ties (margin below the {p} budget, the golden's choice given): "
+                         f"{forced['router']} router choice(s), {forced['argmax']} greedy token(s)")
+        info["kernels_ran"] = sorted(c for c, n in calls.items() if n > fallbacks.get(c, [0])[0])
+        out[NOTES_KEY] = notes
+        out[INFO_KEY] = info
         return out
+
+    @staticmethod
+    def _judge_tokens(golden, out: dict, budget: float, info: dict) -> None:
+        """Greedy tokens: a near-tie step (golden margin < budget) gets the golden's token (teacher-forced);
+        any other difference is a flip, recorded with the step, both ids and the reference's margin."""
+        inter, ref = golden.group("inter"), golden.group("outputs")
+        for name in sorted(k for k in out if k.endswith(".token")):
+            step = int(name[4:name.index(".")])
+            expected, found = int(ref[name][0]), int(out[name][0])
+            margin = float(np.asarray(inter.get(f"argmax.step{step}.margin", [np.inf]))[0])
+            if margin < budget:
+                info["teacher_forced"]["argmax"] += 1
+                out[name] = np.array([expected], dtype=np.int64)
+                if found != expected:
+                    info["tensor_notes"][name] = (f"near-tie at step {step} (margin {margin:.3g} < budget {budget:.3g}):"
+                                                  f" {found} instead of {expected}, teacher-forced")
+            elif found != expected:
+                flip = {"step": step, "expected": expected, "found": found, "margin": margin}
+                info["flips"].append(flip)
+                info["tensor_notes"][name] = (f"greedy token flip at step {step}: expected {expected}, found {found} "
+                                              f"(reference logit margin {margin:.3g})")
 
     def block_of(self, case: Case, tensor: str) -> str:
         m = re.match(r"step(\d+)\.layer(\d+)\.(\d)_", tensor)
         if not m:
             return "lm_head" if tensor.endswith("logits") else "greedy"
         step, layer, slot = (int(g) for g in m.groups())
-        cfg = K3Config.preset(case.config)
+        cfg = K3Config.preset(_model_name(case))
         if slot in (1, 4):
             return "attnres_mix"
         if slot in (2, 5):
@@ -233,8 +367,38 @@ class TraceKind:
         mixer = "mla" if cfg.is_mla(layer) else "kda"
         return f"{mixer}_prefill" if step == 0 else f"{mixer}_decode"
 
+    def cores_of(self, case: Case) -> frozenset[str]:
+        return frozenset(CORE_NAMES)
+
+    def is_gated(self, case: Case, tensor: str) -> bool:
+        """The free run gates logits and tokens only; its intermediates are reported."""
+        return case.params["mode"] == "layerwise" or tensor.endswith((".logits", ".token"))
+
     def timing(self, case: Case, golden, backend):
         return None  # cores are timed in their own cases
+
+
+def _refuse_ties(case: Case, route: dict, argmax: dict) -> None:
+    """Raise when a golden choice sits within TIE_MARGIN of another (pick another PROMPT / WEIGHT_SEED)."""
+    bad = [f"{k} = {float(np.min(v)):.3g} (router, < {TIE_MARGIN['router']:g})"
+           for k, v in route.items() if k.endswith(".margin") and np.min(v) < TIE_MARGIN["router"]]
+    bad += [f"{k} = {float(v[0]):.3g} (argmax, < {TIE_MARGIN['argmax']:g})"
+            for k, v in argmax.items() if v[0] < TIE_MARGIN["argmax"]]
+    if bad:
+        raise ValueError(f"{case.name}: the golden would sit on a near-tie, where its choice is arbitrary: "
+                         f"{'; '.join(bad)}. Choose another prompt or weight seed (conformance/traces.py).")
+
+
+def trace_cases(model: str, case_set: str = "tiny", prefix: str = "trace/") -> list[tuple[str, dict]]:
+    """The layerwise and free trace cases of model config `model` (a K3Config preset) in `case_set`."""
+    tag = "" if model == case_set else f"{model}-"
+    rows = [(f"{prefix}{tag}{mode}-P{len(PROMPT)}-D{DECODE_STEPS}", {"mode": mode, "model": model})
+            for mode in ("layerwise", "free")]
+    TraceKind.TABLE.setdefault(case_set, []).extend(rows)
+    return rows
+
+
+trace_cases("tiny")
 
 
 class BoundaryOffByOneHub:
@@ -250,23 +414,36 @@ class BoundaryOffByOneHub:
         return _Hub(block_size)
 
 
-# Gate rows for trace tensors (names "step*"): measured on this CPU with `k3conf run --cases 'trace/*'`.
-TRACE_BLOCKS = ("attnres_mix", "rmsnorm", "kda_prefill", "kda_decode", "mla_prefill", "mla_decode", "situ_glu",
-                "latent_moe", "lm_head")
+# Gate rows for trace tensors (names "step*"), shared by every trace config. Measured with
+# `k3conf run --cases 'trace/*' --no-timing` on the tiny traces (torch 2.13 CPU, NumPy/OpenBLAS): block ->
+# worst relative RMS error of numpy32 and of torch-bf16 (router and argmax near-ties teacher-forced) over the
+# gated tensors of both traces, and the tensor that set it. The lm_head row is the free run's logits: bf16 error
+# accumulates through 7 layers x 6 steps to 8e-2 there (the layerwise logits err 5x less).
+TRACE_MEASURED = {
+    "attnres_mix": ((3.5e-7, "layerwise step5.layer03.4_m"), (9.8e-3, "layerwise step2.layer00.4_m")),
+    "rmsnorm": ((3.4e-7, "layerwise step5.layer03.5_x_mlp"), (7.5e-3, "layerwise step2.layer00.5_x_mlp")),
+    "kda_prefill": ((3.8e-7, "layerwise step0.layer01.7_cache"), (1.25e-2, "layerwise step0.layer04.3_a")),
+    "kda_decode": ((3.8e-7, "layerwise step3.layer01.3_a"), (1.13e-2, "layerwise step2.layer00.3_a")),
+    "mla_prefill": ((2.4e-7, "layerwise step0.layer02.3_a"), (9.5e-3, "layerwise step0.layer02.3_a")),
+    "mla_decode": ((2.9e-7, "layerwise step4.layer02.3_a"), (9.0e-3, "layerwise step4.layer06.3_a")),
+    "situ_glu": ((4.3e-7, "layerwise step4.layer00.6_f"), (1.6e-2, "layerwise step2.layer00.6_f")),
+    "latent_moe": ((6.5e-7, "layerwise step5.layer03.6_f"), (1.8e-2, "layerwise step1.layer04.6_f")),
+    "lm_head": ((8.7e-6, "free step0.logits"), (8.2e-2, "free step1.logits")),
+}
 _FP32_WHY = ("whole float32 host graph with the backend's cores: numpy32 measured 8e-7 (layerwise) and 1e-5 "
              "(free run: 7 layers x 6 steps of accumulation); k=4 over numpy32, cap 10x the measured worst")
-_BF16_WHY = ("at bf16 a router near-tie can select another expert (a discontinuity: rel RMS ~0.3 on that "
-             "layer's MoE output, seen on torch-bf16), so the trace is gated relative to the torch-bf16 baseline "
-             "only; the per-block cases gate bf16 kernels tightly")
-for _block in TRACE_BLOCKS:
+_BF16_WHY = ("bf16 host graph with router and argmax near-ties teacher-forced: k=2.5 over torch-bf16, no floor "
+             "(under 3x the baseline's error on the same tensor); cap 3x torch-bf16's worst, {:.3g} ({})")
+for _block, ((_fp32, _at32), (_bf16, _at16)) in TRACE_MEASURED.items():
     gates.add_gate(_block, "step*", "fp32", gates.Gate(1e-4, 4.0, 1e-6, 1e-4, 1e-2, _FP32_WHY))
-    gates.add_gate(_block, "step*", "bf16", gates.Gate(2.0, 2.0, 5e-3, 5e-2, 2e-1, _BF16_WHY))
-_TOKEN_WHY = ("the greedy token of a step must equal the float64 golden's at fp64 and fp32: a different id is off "
-              "by >= 1/vocab relative, far above the 1e-12 cap")
-gates.add_gate("greedy", "step*", "fp32", gates.Gate(1e-12, 1.0, 0.0, 0.0, 0.0, _TOKEN_WHY))
-gates.add_gate("greedy", "step*", "bf16", gates.Gate(1.0, 2.0, 0.0, 0.0, 0.0,
-                                                     _TOKEN_WHY + "; at bf16 no more flips than torch-bf16 "
-                                                     "(rel RMS of token ids; a near-tie may flip)"))
+    gates.add_gate(_block, "step*", "bf16", gates.Gate(gates.BASELINE_FACTOR * _bf16, 2.5, 0.0, 5e-2, 2e-1,
+                                                       _BF16_WHY.format(_bf16, _at16)))
+    gates.add_baseline_gate(_block, "step*", "fp32", _fp32, "trace/*-P7-D5 " + _at32)
+    gates.add_baseline_gate(_block, "step*", "bf16", _bf16, "trace/*-P7-D5 " + _at16)
+_TOKEN_WHY = ("greedy token ids compare as exact integers; a flip fails unless the reference's argmax margin is "
+              "below the precision's budget (then the step is teacher-forced and counted)")
+for _p in gates.PRECISIONS:
+    gates.add_gate("greedy", "step*", _p, gates.Gate(0.0, None, 0.0, 0.0, 0.0, _TOKEN_WHY))
 
 register_kind(TraceKind())
 backends.register_mutant("attnres-boundary-off-by-one", "attnres_mix",

@@ -1,4 +1,4 @@
-"""Shared test setup: the hypothesis CI profile and small fixtures."""
+"""Shared test setup: the hypothesis CI profile, the machine requirements of marked tests, small fixtures."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,19 @@ settings.register_profile(
 )
 settings.register_profile("thorough", deadline=None, max_examples=400)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+REQUIREMENT_MARKERS = ("torch", "nvcc", "gxx")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test marked torch / nvcc / gxx is skipped with the reason when that is missing, and fails under
+    K3_STRICT=1 (tests/strict.py). tryfirst: before any skipif of the test itself."""
+    from strict import require
+
+    for marker in REQUIREMENT_MARKERS:
+        if item.get_closest_marker(marker) is not None:
+            require(marker)
 
 
 @pytest.fixture

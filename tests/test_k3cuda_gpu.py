@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import struct
 import sys
 import types
@@ -52,8 +51,9 @@ def backend(request):
         request.getfixturevalue("gpu")
         yield "gpu"
         return
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH: the CPU emulation of the kernels needs it")
+    from strict import require
+
+    require("gxx")
     with testing.cpu_emulation():
         yield "cpu-emu"
 

@@ -17,7 +17,6 @@ tests/test_k3cuda_gpu.py, shared by all kernels.
 from __future__ import annotations
 
 import re
-import shutil
 import struct
 from types import SimpleNamespace
 
@@ -471,8 +470,9 @@ def test_mla_make_inputs_layout():
 @pytest.fixture
 def emulated():
     """k3cuda.runtime with launches running the CPU emulation of the kernels (skipped without g++)."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH: the CPU emulation of the kernels needs a C++17 compiler")
+    from strict import require
+
+    require("gxx")
     from k3cuda.testing import cpu_emulation
 
     with cpu_emulation():

@@ -131,11 +131,49 @@ def test_missing_baseline_means_cap_only_and_says_so(monkeypatch, extra_backend,
     assert "baseline offline unavailable for fp32: the absolute cap alone applied" in markdown(report)
 
 
-def test_baseline_error_sets_the_bound():
-    report = run(select(all_cases("tiny"), SUBSET[:1]), ["numpy32"], COMMITTED_ROOT, timing=False)
+def test_baseline_error_sets_the_bound(extra_backend):
+    extra_backend("slow32", lambda: NumpyBackend("slow32", "fp32"))
+    report = run(select(all_cases("tiny"), SUBSET[:1]), ["slow32"], COMMITTED_ROOT, timing=False)
     (t,) = report.results[0].tensors
+    assert report.results[0].role == ""
     assert t.baseline == "numpy32" and t.baseline_err == t.comparison.rel_rms > 0
     assert np.isclose(t.verdict.bound, min(t.gate.cap, t.gate.k * t.baseline_err + t.gate.floor))
+
+
+def test_the_baseline_is_gated_by_its_measured_cap_not_by_itself(tmp_path):
+    rc = main(["run", "--backend", "numpy32", "--cases", SUBSET[0], "--report", str(tmp_path), "--no-timing"])
+    assert rc == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    (r,) = data["results"]
+    (t,) = r["tensors"]
+    assert r["role"] == "baseline" and t["gate"]["key"] == ["rmsnorm", "y", "fp32"]
+    assert t["bound"] == gates.BASELINE_GATES[("rmsnorm", "y", "fp32")].cap
+    assert "the fp32 baseline itself" in t["rule"] and "numpy32 measured" in t["rule"]
+    assert f"baseline {t['comparison']['rel_rms']:.0e}" in (tmp_path / "report.html").read_text()
+
+
+def test_a_baseline_worse_than_its_measurement_fails(monkeypatch, extra_backend):
+    """Judged against itself it would pass (bound = k x its own error); its absolute row catches it."""
+    def off(base):
+        return base.replace(rmsnorm=lambda x, w, eps: np.asarray(backends.reference_cores().rmsnorm(x, w, eps))
+                            * np.float32(1 + 1e-5))
+
+    extra_backend("offline", lambda: NumpyBackend("offline", "fp32", lambda: off(backends.reference_cores())))
+    monkeypatch.setitem(gates.BASELINE, "fp32", "offline")
+    report = run(select(all_cases("tiny"), SUBSET[:1]), ["offline"], COMMITTED_ROOT, timing=False)
+    (r,) = report.results
+    assert r.role == "baseline" and r.status == "fail", report.first_failure_line()
+    assert "the fp32 baseline itself" in r.first_failing.verdict.why
+
+
+def test_every_bf16_bound_is_under_3x_the_baseline_error():
+    """Both rules at bf16: k x baseline (other backends) and the baseline's own cap stay within 3x a measurement."""
+    for (block, tensor, precision), g in gates.GATES.items():
+        if precision == "bf16" and g.k is not None:
+            assert g.k <= 3.0 and g.floor == 0.0, (block, tensor, g)
+    for (block, tensor, precision), g in gates.BASELINE_GATES.items():
+        measured = float(g.reason.split("measured ")[1].split()[0])
+        assert g.cap <= 3.0 * measured * (1 + 1e-9), (block, tensor, precision)
 
 
 def test_speed_is_measured_and_a_target_can_fail(monkeypatch, extra_backend):
@@ -339,7 +377,7 @@ def test_unsupported_shape_is_a_skip_with_its_reason_not_a_failure(monkeypatch):
                                            "(1 skipped: not supported by that backend)")
     from conformance.report import markdown
 
-    assert "(case, backend) results: 1 of 2 passed, 1 skipped" in markdown(report)
+    assert "(case, backend) results: 1 passed, 0 failed, 0 n/a, 1 skipped of 2" in markdown(report)
 
 
 def test_trace_falls_back_per_core_and_says_so(monkeypatch):
@@ -348,4 +386,110 @@ def test_trace_falls_back_per_core_and_says_so(monkeypatch):
     report = run(selected, ["picky-mla"], goldens.COMMITTED_ROOT, timing=False)
     (result,) = report.results
     assert result.status == "pass", report.first_failure_line()
-    assert result.notes == ["mla_decode: the reference core ran instead (built for kv_rank 512)"]
+    (note,) = result.notes
+    assert note.startswith("mla_decode: k3ref's reference core ran instead on 15 of 15 call(s)")
+    assert note.endswith("(UnsupportedShape: built for kv_rank 512)")
+
+
+# ---- n/a: cases where only the reference core would run
+
+
+@dataclasses.dataclass
+class OneKernel(NumpyBackend):
+    """numpy32 that supplies only `kernel` itself (the other cores are the reference's)."""
+
+    kernel: str = "rmsnorm"
+
+    def kernel_cores(self):
+        return frozenset({self.kernel})
+
+
+def test_a_case_without_a_kernel_core_is_na_and_counted_apart(tmp_path, extra_backend):
+    extra_backend("one32", lambda: OneKernel("one32", "fp32"))
+    rc = main(["run", "--backend", "one32", "--cases", "rmsnorm/T1-D113", "kda_prefill/B1-T1-H1-K16",
+               "trace/layerwise-*", "--report", str(tmp_path), "--no-timing"])
+    assert rc == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    status = {r["case"]: r for r in data["results"]}
+    assert status["kda_prefill/B1-T1-H1-K16"]["status"] == "n/a"
+    assert "one32 supplies no kernel for kda_prefill" in status["kda_prefill/B1-T1-H1-K16"]["error"]
+    assert status["rmsnorm/T1-D113"]["status"] == "pass"
+    trace = status["trace/layerwise-P7-D5"]
+    assert trace["status"] == "pass"
+    not_kernel = {n.split(":")[0] for n in trace["notes"] if "not a kernel core of one32" in n}
+    assert not_kernel == set(backends.ALL_CORES) - {"rmsnorm"}
+    assert data["summary"] == {"pass": 2, "fail": 0, "n/a": 1, "skip": 0, "error": 0, "total": 3}
+    assert "2 pass, 0 fail, 1 n/a, 0 skip" in (tmp_path / "report.md").read_text()
+    page = (tmp_path / "report.html").read_text()
+    assert "n/a (reference core)" in page and "2 pass, 0 fail, 1 n/a, 0 skip" in page
+
+
+def test_a_trace_where_every_kernel_call_fell_back_is_na(monkeypatch, extra_backend):
+    from k3ref.cores import UnsupportedShape
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedShape("built for K = V = 128")
+
+    extra_backend("one32", lambda: OneKernel("one32", "fp32", lambda: backends.reference_cores().replace(
+        kda_decode=refuse), kernel="kda_decode"))
+    report = run(select(all_cases("tiny"), ["trace/layerwise-*", "kda_decode/B2-H3-K16"]), ["one32"],
+                 COMMITTED_ROOT, timing=False)
+    status = {r.case: r for r in report.results}
+    assert status["kda_decode/B2-H3-K16"].status == "skip"
+    trace = status["trace/layerwise-P7-D5"]
+    assert trace.status == "n/a" and "no kernel of one32 ran" in trace.error
+    assert report.exit_code == 0 and report.counts()["n/a"] == 1
+
+
+def test_a_backend_without_kernel_cores_supplies_all_of_them():
+    assert backends.kernel_cores(Offline()) == backends.ALL_CORES
+
+
+# ---- strict mode (CI): a missing tool fails instead of skipping
+
+
+def test_strict_mode_fails_on_an_unavailable_backend(monkeypatch, extra_backend, capsys, tmp_path):
+    extra_backend("offline", Offline)
+    argv = ["run", "--backend", "numpy64", "offline", "--cases", SUBSET[0], "--report", str(tmp_path), "--no-timing"]
+    monkeypatch.setenv("K3_STRICT", "1")
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FIRST FAILURE: K3_STRICT=1 and backend offline cannot run here: no such device")
+    monkeypatch.setenv("K3_STRICT", "0")
+    assert main(argv) == 0
+
+
+def test_strict_mode_allows_a_missing_accelerator(monkeypatch):
+    monkeypatch.setenv("K3_STRICT", "1")
+    from conformance.runner import strict_missing
+
+    rows = [{"name": "cuda", "available": False, "reason": "no GPU"},
+            {"name": "torch", "available": False, "reason": "PyTorch is not installed"}]
+    assert strict_missing(rows) == ["backend torch cannot run here: PyTorch is not installed"]
+
+
+HIDE_TORCH = "import sys; sys.modules['torch'] = None; "   # `import torch` raises ImportError in this process
+
+
+def test_strict_run_without_torch_fails_with_the_reason(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    code = HIDE_TORCH + ("from conformance.cli import main; sys.exit(main(['run', '--cases', 'rmsnorm/T1-D113', "
+                         f"'--no-timing', '--report', {str(tmp_path)!r}]))")
+    env = {**__import__("os").environ, "K3_STRICT": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "K3_STRICT=1 and backend torch cannot run here: ImportError: PyTorch is not installed" in p.stdout
+
+
+def test_strict_suite_without_torch_fails_with_the_reason():
+    """The torch tests skip without torch; under K3_STRICT=1 they fail and say why."""
+    root = Path(__file__).resolve().parent.parent
+    code = HIDE_TORCH + "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_torch_cores.py']))"
+    env = {**__import__("os").environ, "K3_STRICT": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
+    assert p.returncode not in (0, 5), p.stdout[-2000:]
+    assert "K3_STRICT=1" in p.stdout and "PyTorch is not installed" in p.stdout
+    env["K3_STRICT"] = "0"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
+    # the module is skipped whole: pytest says "1 skipped" and exits 5 (no test collected), not a failure
+    assert p.returncode in (0, 5) and "1 skipped" in p.stdout and "failed" not in p.stdout, p.stdout[-2000:]

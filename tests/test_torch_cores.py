@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip install 'k3-conformance[torch]'")
+from strict import import_or_skip  # noqa: E402
+
+torch = import_or_skip("torch")
 
 from conformance.baselines import torch_backend  # noqa: E402
 from conformance.baselines.torch_cores import torch_core, torch_cores  # noqa: E402
@@ -66,11 +68,8 @@ FP32_CAP: dict[str, tuple[float, float, str]] = {
 }
 
 def reference(core: str) -> Callable:
-    """The k3ref core of that name (docs/interfaces.md), or a skip naming the reference module not yet written."""
-    try:
-        return getattr(reference_cores(), core)
-    except ModuleNotFoundError as e:
-        pytest.skip(f"a k3ref reference module is not written yet ({e})")
+    """The k3ref core of that name (docs/interfaces.md)."""
+    return getattr(reference_cores(), core)
 
 
 # ------------------------------------------------------------------------------------------- input makers

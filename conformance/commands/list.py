@@ -17,7 +17,7 @@ def run(args) -> int:
     from ..backends import MUTANTS, availability
     from ..cases import all_cases, load_plugins
     from ..cli import UsageError
-    from ..gates import GATES
+    from ..gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
 
     unknown = [w for w in args.what if w not in SECTIONS]
     if unknown:
@@ -43,4 +43,12 @@ def run(args) -> int:
         for (block, tensor, prec), g in GATES.items():
             k = "-" if g.k is None else f"{g.k:g}"
             print(f"  ({block}, {tensor}, {prec}): cap {g.cap:g}, k {k}, floor {g.floor:g} -- {g.reason}")
+        print("baseline gates (the baseline of a precision is judged by these absolute caps, never by itself;"
+              f" {', '.join(f'{p}: {b}' for p, b in BASELINE.items())}):")
+        for (block, tensor, prec), g in BASELINE_GATES.items():
+            print(f"  ({block}, {tensor}, {prec}): cap {g.cap:.3g} -- {g.reason}")
+        print("near-tie budgets (model traces: a golden margin below this is teacher-forced and counted):")
+        for prec, budgets in MARGIN_BUDGETS.items():
+            for choice, (value, why) in budgets.items():
+                print(f"  {prec} {choice}: {value:g} -- {why}")
     return 0
