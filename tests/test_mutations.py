@@ -1,10 +1,14 @@
 """The mutation table: each known mistake, run through the runner, must FAIL and name its block first.
 
-Every mutant is numpy64 with one core replaced by a deliberately wrong one (conformance.backends.MUTANTS).
+Every mutant is a backend with one core replaced by a deliberately wrong one (conformance.backends.MUTANTS).
 A mutant that passed would mean the cases' data cannot see that bug; a first failure in another block
-would mean the report points the kernel engineer at the wrong kernel.
+would mean the report points the kernel engineer at the wrong kernel. The gross mutants run on numpy64 and
+must fail at every precision's budget; the bf16 mutants run on torch-bf16 with one core 1% off and must fail
+the bf16 gates of their block's cases and be named by the layer-by-layer trace.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -19,7 +23,11 @@ def cases():
     return all_cases("tiny")
 
 
-@pytest.mark.parametrize("mutant", [pytest.param(name, id=name) for name in MUTANTS])
+GROSS = [pytest.param(name, id=name) for name, m in MUTANTS.items() if m.base == "numpy64"]
+BF16 = [pytest.param(name, id=name, marks=pytest.mark.torch) for name, m in MUTANTS.items() if m.base == "torch-bf16"]
+
+
+@pytest.mark.parametrize("mutant", GROSS)
 def test_mutant_fails_in_its_block_first(cases, mutant):
     report = run(cases, [f"mutant:{mutant}"], COMMITTED_ROOT, timing=False)
     assert report.exit_code == 1, f"mutant {mutant} ({MUTANTS[mutant].description}) passed every case"
@@ -44,10 +52,40 @@ def test_unmutated_numpy64_passes_the_same_cases(cases):
 MIN_MUTANT_ERROR = 0.1
 
 
-@pytest.mark.parametrize("mutant", [pytest.param(name, id=name) for name in MUTANTS])
+@pytest.mark.parametrize("mutant", GROSS)
 def test_mutant_error_is_far_above_every_budget(cases, mutant):
     block = MUTANTS[mutant].block
     report = run([c for c in cases if c.block in (block, "trace")], [f"mutant:{mutant}"], COMMITTED_ROOT,
                  timing=False)
     worst = max(t.comparison.rel_rms for r in report.results for t in r.tensors if t.block == block)
     assert worst > MIN_MUTANT_ERROR, f"{mutant}: worst relative RMS error only {worst:.3g} in {block}"
+
+
+# the block the layer-by-layer trace names for a core: the mixer and MLP outputs carry the layer's block name
+TRACE_BLOCK = {"mxfp4_gemv": "latent_moe"}
+
+
+@pytest.fixture(scope="module")
+def bf16_report(cases):
+    """One run of every bf16 mutant on the cases of their blocks and the layer-by-layer trace (the torch-bf16
+    baseline runs once per case for all of them)."""
+    blocks = {MUTANTS[p.values[0]].block for p in BF16}
+    picked = [c for c in cases if c.block in blocks or c.name.startswith("trace/layerwise-")]
+    return run(picked, [f"mutant:{p.values[0]}" for p in BF16], COMMITTED_ROOT, timing=False)
+
+
+@pytest.mark.parametrize("mutant", BF16)
+def test_bf16_core_one_percent_off_fails_and_the_trace_names_it(bf16_report, mutant):
+    block = MUTANTS[mutant].block
+    mine = [r for r in bf16_report.results if r.backend == f"mutant:{mutant}"]
+    own = [r for r in mine if r.block == block]
+    failed = [r for r in own if r.status == "fail"]
+    assert failed, f"{mutant}: every {block} case passed: " + "; ".join(
+        f"{r.case} {r.worst.comparison.rel_rms:.3g} <= {r.worst.verdict.bound:.3g}" for r in own)
+    for r in failed:   # failed by the bf16 rule (k x torch-bf16), not by a broken run
+        assert "x baseline" in r.first_failing.verdict.why, r.first_failing.verdict.why
+    (trace,) = [r for r in mine if r.case.startswith("trace/layerwise-")]
+    assert trace.status == "fail", f"{mutant} passed the layer-by-layer trace"
+    first = trace.first_failing
+    assert first.block == TRACE_BLOCK.get(block, block), f"{mutant}: first failure {first.tensor} in {first.block}"
+    assert re.match(r"step\d+\.layer\d+\.", first.tensor)
