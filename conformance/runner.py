@@ -314,11 +314,12 @@ class _Runner:
                 cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
             else:
                 cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
-            b_err = None if base_errs is None or backend.precision == "fp64" else base_errs.get(tensor)
+            relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
+            b_err = None if base_errs is None or not relative else base_errs.get(tensor)
             verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline)
             m = _LAYER.search(tensor)
             res.tensors.append(TensorResult(tensor, block, cmp, key, gate, verdict,
-                                            base_name if backend.precision != "fp64" else None, b_err,
+                                            base_name if relative else None, b_err,
                                             int(m.group(1)) if m else None, gated(case, tensor),
                                             str(tensor_notes.get(tensor, ""))))
         if any(not t.passed for t in res.tensors):
