@@ -88,7 +88,8 @@ class CaseKind(Protocol):
 
     def cores_of(self, case: Case) -> frozenset[str]:
         """The cores the case exercises: a backend supplying none of them itself gets "n/a (reference core)".
-        Optional; a kind without it exercises every core."""
+        Optional; a kind without it exercises every core. Also optional: is_gated(case, tensor) -> bool (False:
+        reported, never failing) and gate_tensor(case, tensor) -> str (the name gate rows are looked up by)."""
 
 
 KINDS: dict[str, CaseKind] = {}

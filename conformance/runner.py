@@ -302,14 +302,15 @@ class _Runner:
             self.errors[(case.name, backend.name)] = _rel_errors(outs, golden)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
         gated = getattr(kind, "is_gated", lambda c, t: True)
+        gate_name = getattr(kind, "gate_tensor", lambda c, t: t)   # the name its gate rows are looked up by
         tensor_notes = info.get("tensor_notes", {})
         # name order = compute order (traces number their tensors so), whatever order the file lists them in
         for tensor, ref in sorted(golden.group("outputs").items()):
             block = kind.block_of(case, tensor)
             if is_baseline:
-                key, gate = gates.baseline_gate_for(block, tensor, backend.precision)
+                key, gate = gates.baseline_gate_for(block, gate_name(case, tensor), backend.precision)
             else:
-                key, gate = gates.gate_for(block, tensor, backend.precision)
+                key, gate = gates.gate_for(block, gate_name(case, tensor), backend.precision)
             if tensor in outs:
                 cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
             else:

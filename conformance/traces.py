@@ -370,6 +370,11 @@ class TraceKind:
     def cores_of(self, case: Case) -> frozenset[str]:
         return frozenset(CORE_NAMES)
 
+    def gate_tensor(self, case: Case, tensor: str) -> str:
+        """'<model>/<tensor>': gate rows '<model>/step*' (one model config's measurements) win over the shared
+        '*/step*' rows (add_trace_gates)."""
+        return f"{_model_name(case)}/{tensor}"
+
     def is_gated(self, case: Case, tensor: str) -> bool:
         """The free run gates logits and tokens only; its intermediates are reported."""
         return case.params["mode"] == "layerwise" or tensor.endswith((".logits", ".token"))
@@ -414,12 +419,14 @@ class BoundaryOffByOneHub:
         return _Hub(block_size)
 
 
-# Gate rows for trace tensors (names "step*"), shared by every trace config. Measured with
+# Gate rows for trace tensors, looked up as '<model>/<tensor>' (TraceKind.gate_tensor). Measured with
 # `k3conf run --cases 'trace/*' --no-timing` on the tiny traces (torch 2.13 CPU, NumPy/OpenBLAS): block ->
 # worst relative RMS error of numpy32 and of torch-bf16 (router and argmax near-ties teacher-forced) over the
 # gated tensors of both traces, and the tensor that set it. The lm_head row is the free run's logits: bf16 error
-# accumulates through 7 layers x 6 steps to 8e-2 there (the layerwise logits err 5x less).
-TRACE_MEASURED = {
+# accumulates through 7 layers x 6 steps to 8e-2 there (the layerwise logits err 5x less). These are the shared
+# rows ('*/step*') every model config starts from; a config with its own measurements adds them with
+# add_trace_gates(model, ...).
+TINY_TRACE_MEASURED = {
     "attnres_mix": ((3.5e-7, "layerwise step5.layer03.4_m"), (9.8e-3, "layerwise step2.layer00.4_m")),
     "rmsnorm": ((3.4e-7, "layerwise step5.layer03.5_x_mlp"), (7.5e-3, "layerwise step2.layer00.5_x_mlp")),
     "kda_prefill": ((3.8e-7, "layerwise step0.layer01.7_cache"), (1.25e-2, "layerwise step0.layer04.3_a")),
@@ -434,16 +441,28 @@ _FP32_WHY = ("whole float32 host graph with the backend's cores: numpy32 measure
              "(free run: 7 layers x 6 steps of accumulation); k=4 over numpy32, cap 10x the measured worst")
 _BF16_WHY = ("bf16 host graph with router and argmax near-ties teacher-forced: k=2.5 over torch-bf16, no floor "
              "(under 3x the baseline's error on the same tensor); cap 3x torch-bf16's worst, {:.3g} ({})")
-for _block, ((_fp32, _at32), (_bf16, _at16)) in TRACE_MEASURED.items():
-    gates.add_gate(_block, "step*", "fp32", gates.Gate(1e-4, 4.0, 1e-6, 1e-4, 1e-2, _FP32_WHY))
-    gates.add_gate(_block, "step*", "bf16", gates.Gate(gates.BASELINE_FACTOR * _bf16, 2.5, 0.0, 5e-2, 2e-1,
-                                                       _BF16_WHY.format(_bf16, _at16)))
-    gates.add_baseline_gate(_block, "step*", "fp32", _fp32, "trace/*-P7-D5 " + _at32)
-    gates.add_baseline_gate(_block, "step*", "bf16", _bf16, "trace/*-P7-D5 " + _at16)
 _TOKEN_WHY = ("greedy token ids compare as exact integers (these numbers are unused); a flip fails unless the "
               "reference's argmax margin is below the precision's budget (then the step is teacher-forced and counted)")
-for _p in ("fp32", "bf16"):
-    gates.add_gate("greedy", "step*", _p, gates.Gate(1e-12, 1.0, 0.0, 0.0, 0.0, _TOKEN_WHY))
+
+
+def add_trace_gates(model: str, measured: dict, where: str) -> None:
+    """Gate rows for the trace tensors of model config `model` ('*': every config without its own rows).
+
+    measured: block -> ((numpy32 worst rel RMS, tensor), (torch-bf16 worst rel RMS, tensor)) over the gated
+    tensors of that config's traces; where: which traces were measured. fp32: k=4 over numpy32, cap 1e-4;
+    bf16: k=2.5 over torch-bf16, cap 3x its worst; the baselines themselves: 3x their worst."""
+    pattern = f"{model}/step*"
+    for block, ((fp32, at32), (bf16, at16)) in measured.items():
+        gates.add_gate(block, pattern, "fp32", gates.Gate(1e-4, 4.0, 1e-6, 1e-4, 1e-2, _FP32_WHY))
+        gates.add_gate(block, pattern, "bf16", gates.Gate(gates.BASELINE_FACTOR * bf16, 2.5, 0.0, 5e-2, 2e-1,
+                                                          _BF16_WHY.format(bf16, at16)))
+        gates.add_baseline_gate(block, pattern, "fp32", fp32, f"{where} {at32}")
+        gates.add_baseline_gate(block, pattern, "bf16", bf16, f"{where} {at16}")
+    for p in ("fp32", "bf16"):
+        gates.add_gate("greedy", pattern, p, gates.Gate(1e-12, 1.0, 0.0, 0.0, 0.0, _TOKEN_WHY))
+
+
+add_trace_gates("*", TINY_TRACE_MEASURED, "tiny trace/*-P7-D5")
 
 register_kind(TraceKind())
 backends.register_mutant("attnres-boundary-off-by-one", "attnres_mix",

@@ -333,7 +333,7 @@ def test_plain_list_shows_everything_incl_the_trace_rows_and_mutant():
     assert all(f"{s} (" in p.stdout or f"{s}:" in p.stdout for s in ("cases", "backends", "mutants", "gates"))
     p = subprocess.run([sys.executable, "-m", "conformance", "list", "gates", "mutants"], capture_output=True,
                        text=True, cwd=root, timeout=60)
-    assert "(attnres_mix, step*, fp32)" in p.stdout and "mutant:attnres-boundary-off-by-one" in p.stdout
+    assert "(attnres_mix, */step*, fp32)" in p.stdout and "mutant:attnres-boundary-off-by-one" in p.stdout
 
 
 @pytest.mark.parametrize("patterns, expected", [

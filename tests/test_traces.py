@@ -178,3 +178,18 @@ def test_cuda_emu_trace_names_every_core_that_ran_the_reference():
     reference = {n.split(":")[0] for n in r.notes if "reference core ran" in n}
     assert {"kda_prefill", "moe_route", "attnres_hub"} <= reference      # no kernel for them
     assert any(n.startswith("kda_decode:") and "UnsupportedShape" in n for n in r.notes)   # head_dim 8, not 128
+
+
+def test_a_model_config_with_its_own_measurements_gets_its_own_rows(monkeypatch):
+    """Rows '<model>/step*' win over the shared '*/step*' ones: a (deliberately tiny) measurement for `tiny`
+    makes the numpy32 baseline fail there, by the new row."""
+    from conformance import traces
+
+    monkeypatch.setattr(gates, "GATES", dict(gates.GATES))
+    monkeypatch.setattr(gates, "BASELINE_GATES", dict(gates.BASELINE_GATES))
+    traces.add_trace_gates("tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))}, "a test")
+    report = run(select(all_cases("tiny"), ["trace/free-*"]), ["numpy32"], COMMITTED_ROOT, timing=False)
+    (r,) = report.results
+    assert r.status == "fail" and r.first_failing.tensor.endswith(".logits")
+    assert tuple(r.first_failing.gate_key) == ("lm_head", "tiny/step*", "fp32")
+    assert "measured 1e-09 worst (a test test)" in r.first_failing.verdict.why
