@@ -405,7 +405,7 @@ class OneKernel(NumpyBackend):
         return frozenset({self.kernel})
 
 
-def test_a_case_without_a_kernel_core_is_na_and_counted_apart(tmp_path, extra_backend):
+def test_a_case_without_a_kernel_core_is_na_and_counted_apart(tmp_path, extra_backend, capsys):
     extra_backend("one32", lambda: OneKernel("one32", "fp32"))
     rc = main(["run", "--backend", "one32", "--cases", "rmsnorm/T1-D113", "kda_prefill/B1-T1-H1-K16",
                "trace/layerwise-*", "--report", str(tmp_path), "--no-timing"])
@@ -423,6 +423,9 @@ def test_a_case_without_a_kernel_core_is_na_and_counted_apart(tmp_path, extra_ba
     assert "2 pass, 0 fail, 1 n/a, 0 skip" in (tmp_path / "report.md").read_text()
     page = (tmp_path / "report.html").read_text()
     assert "n/a (reference core)" in page and "2 pass, 0 fail, 1 n/a, 0 skip" in page
+    capsys.readouterr()
+    assert main(["list", "backends"]) == 0
+    assert "one32        fp32  available: k3ref (NumPy) [kernels: rmsnorm; other cores: k3ref's]" in capsys.readouterr().out
 
 
 def test_a_trace_where_every_kernel_call_fell_back_is_na(monkeypatch, extra_backend):

@@ -14,7 +14,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..backends import MUTANTS, availability
+    from ..backends import ALL_CORES, MUTANTS, availability, get_backend, kernel_cores
     from ..cases import all_cases, load_plugins
     from ..cli import UsageError
     from ..gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
@@ -32,7 +32,9 @@ def run(args) -> int:
     if "backends" in what:
         print("backends:")
         for name, prec, ok, why in availability():
-            print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}")
+            own = kernel_cores(get_backend(name)) if ok else ALL_CORES
+            only = "" if own == ALL_CORES else f" [kernels: {', '.join(sorted(own))}; other cores: k3ref's]"
+            print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}{only}")
     if "mutants" in what:
         print("mutants (run with --backend mutant:<name>):")
         width = max(map(len, MUTANTS), default=0)
