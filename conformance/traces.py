@@ -1,4 +1,4 @@
-"""Model traces of `tiny`: the whole host graph with one backend's cores swapped in.
+"""Model traces: the whole host graph of a preset model with one backend's cores swapped in.
 
 A trace prefills a 7-token prompt and then decodes 5 tokens greedily (6 steps). Two cases:
 
@@ -13,6 +13,11 @@ order, which is how the runner picks the first failure): 1_h (AttnRes mix for th
 (input norm), 3_a (KDA / MLA output), 4_m (AttnRes mix for the MLP), 5_x_mlp (post norm), 6_f (dense SiTU
 MLP or LatentMoE), 7_cache (the layer's cache after the step: KDA recurrent state or the MLA rows appended).
 The AttnRes block-boundary mutant (`mutant:attnres-boundary-off-by-one`) lives here too.
+
+The same two traces run on `k3geom` (K3's per-head geometry at toy counts, `trace/k3geom/*`), where every
+CUDA kernel is inside its shape limits, so the kernels run inside a real layer instead of falling back. Its
+KDA states (128 x 128 per head) dominate the golden size, so it prefills 3 tokens and decodes 1. Case params
+`model` (the preset; default the case's config), `prompt` and `decode` (the lengths) say so.
 """
 from __future__ import annotations
 
@@ -54,15 +59,15 @@ def _compute_dtype(precision: str):
 class _Stepper:
     """Runs the 6 steps of a trace, optionally feeding each layer its golden input state."""
 
-    def __init__(self, model: K3CpuModel, cores, feed=None):
-        self.model, self.cores, self.feed = model, cores, feed
+    def __init__(self, model: K3CpuModel, cores, feed=None, prompt_len: int = len(PROMPT)):
+        self.model, self.cores, self.feed, self.prompt_len = model, cores, feed, prompt_len
         self.cache = model.new_cache()
         self.seq = self.cache.add_sequence()
 
     def steps(self, tokens: np.ndarray):
-        n = len(PROMPT)
+        n = self.prompt_len
         yield 0, tokens[:n]
-        for s in range(1, DECODE_STEPS + 1):
+        for s in range(1, len(tokens) - n + 1):
             yield s, tokens[n + s - 1:n + s]
 
     def run(self, tokens: np.ndarray, snapshot: dict | None = None) -> dict[str, np.ndarray]:
@@ -181,31 +186,42 @@ def _with_fallback(cores):
 
 
 class TraceKind:
-    """`trace/*`: the tiny model through every layer with the backend's cores (see the module docstring)."""
+    """`trace/*`: a preset model through every layer with the backend's cores (see the module docstring)."""
 
     name = "trace"
-    TABLE = {"tiny": [("trace/layerwise-P7-D5", {"mode": "layerwise"}), ("trace/free-P7-D5", {"mode": "free"})]}
+    _K3GEOM = {"model": "k3geom", "prompt": 3, "decode": 1}
+    TABLE = {"tiny": [("trace/layerwise-P7-D5", {"mode": "layerwise"}), ("trace/free-P7-D5", {"mode": "free"}),
+                      ("trace/k3geom/layerwise-P3-D1", {"mode": "layerwise", **_K3GEOM}),
+                      ("trace/k3geom/free-P3-D1", {"mode": "free", **_K3GEOM})]}
 
     def cases(self, config: str) -> list[Case]:
         return [Case(n, self.name, config, WEIGHT_SEED, p) for n, p in self.TABLE.get(config, [])]
+
+    @staticmethod
+    def model_config(case: Case) -> K3Config:
+        """The preset model the trace runs: params['model'], else the case's config."""
+        return K3Config.preset(case.params.get("model", case.config))
 
     def generate(self, case: Case) -> Content:
         from k3ref.cores import reference_cores
         from k3ref.greedy import greedy_decode
         from k3ref.weights import synthetic_weights
 
-        cfg = K3Config.preset(case.config)
+        cfg = self.model_config(case)
+        prompt = list(PROMPT[:case.params.get("prompt", len(PROMPT))])
         weights = synthetic_weights(cfg, case.seed)
         model = K3CpuModel(cfg, weights, np.float64)
-        new = greedy_decode(model, list(PROMPT), DECODE_STEPS).tokens
-        tokens = np.array(list(PROMPT) + new, dtype=np.int64)
+        new = greedy_decode(model, prompt, case.params.get("decode", DECODE_STEPS)).tokens
+        tokens = np.array(prompt + new, dtype=np.int64)
         snapshot: dict[str, np.ndarray] = {}
-        outputs = _Stepper(model, reference_cores()).run(tokens, snapshot)
+        outputs = _Stepper(model, reference_cores(), prompt_len=len(prompt)).run(tokens, snapshot)
         tensors = {"inputs.tokens": tokens, **{f"weights.{k}": _stored(v) for k, v in weights.items()},
                    **{f"outputs.{k}": v for k, v in outputs.items()}}
         if case.params["mode"] == "layerwise":
             tensors.update(snapshot)
-        return Content(tensors, {"mode": case.params["mode"], "config": case.config})
+        lengths = {k: case.params[k] for k in ("prompt", "decode") if k in case.params}
+        return Content(tensors, {"mode": case.params["mode"], "config": case.params.get("model", case.config),
+                                 **lengths})
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         golden.require(["inputs.tokens"])
@@ -214,7 +230,8 @@ class TraceKind:
         model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), _compute_dtype(p))
         feed = _GoldenFeed(golden.group("inter"), p) if golden.kwargs["mode"] == "layerwise" else None
         cores, fallbacks = _with_fallback(backend.cores())
-        out = _Stepper(model, cores, feed).run(golden.group("inputs")["tokens"])
+        prompt_len = golden.kwargs.get("prompt", len(PROMPT))
+        out = _Stepper(model, cores, feed, prompt_len).run(golden.group("inputs")["tokens"])
         out[NOTES_KEY] = [f"{core}: the reference core ran instead ({why})" for core, why in sorted(fallbacks.items())]
         return out
 
@@ -223,7 +240,7 @@ class TraceKind:
         if not m:
             return "lm_head" if tensor.endswith("logits") else "greedy"
         step, layer, slot = (int(g) for g in m.groups())
-        cfg = K3Config.preset(case.config)
+        cfg = self.model_config(case)
         if slot in (1, 4):
             return "attnres_mix"
         if slot in (2, 5):
