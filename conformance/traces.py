@@ -57,7 +57,8 @@ def _compute_dtype(precision: str):
 
 
 class _Stepper:
-    """Runs the 6 steps of a trace, optionally feeding each layer its golden input state."""
+    """Runs the steps of a trace (the prefill, then one per decoded token), optionally feeding each layer its
+    golden input state."""
 
     def __init__(self, model: K3CpuModel, cores, feed=None, prompt_len: int = len(PROMPT)):
         self.model, self.cores, self.feed, self.prompt_len = model, cores, feed, prompt_len
