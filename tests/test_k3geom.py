@@ -3,7 +3,7 @@
 - the preset has K3's per-head widths and covers what `tiny` covers (dense layer 0, >= 2 KDA and >= 2 MLA layers,
   two MLA in a row at the end, >= 2 AttnRes block boundaries after the first) within every kernel's limits;
 - its traces on cuda-emu (the real .cu sources emulated by g++) run every kernel, and no kernel-backed core falls
-  back to the reference (the trace's fallback record stays empty);
+  back to the reference (the trace's fallback record stays empty); on a GPU, the same holds for the cuda backend;
 - the committed per-block cases launch every entry of every kernel on cuda-emu (forced entries included);
 - a mistake in a core is named by the k3geom layer-by-layer trace at its block, layer and step;
 - k3cuda.force_entry: unknown entries and a forced bf16 entry on a cache bf16 cannot hold are refused by name.
@@ -107,6 +107,17 @@ def test_k3geom_traces_run_every_kernel_on_cuda_emu(emu, fallback_records):
         ran = {block for block, _ in emu}
         assert ran == set(k3cuda.KERNEL_MODULES), \
             f"{case.name}: kernels that never ran: {sorted(set(k3cuda.KERNEL_MODULES) - ran)}"
+
+
+@pytest.mark.gpu
+def test_k3geom_traces_run_without_fallback_on_cuda(fallback_records):
+    """The same on the GPU: the real kernels take every call inside the K3-geometry traces."""
+    ok, why = get_backend("cuda").available()
+    if not ok:
+        pytest.skip(f"CUDA backend unavailable: {why}")
+    report = run(select(all_cases("tiny"), [TRACES]), ["cuda"], COMMITTED_ROOT, timing=False)
+    assert report.exit_code == 0, report.first_failure_line()
+    assert fallback_records and all(r == {} for r in fallback_records), f"reference cores ran: {fallback_records}"
 
 
 def test_tiny_traces_record_the_kda_fallback(emu, fallback_records):
