@@ -97,7 +97,7 @@ def force_entry(block: str, entry: str):
     B*H; mla_decode: fp32 or bf16 cache), so that a small golden case exercises each of them. Only the
     choosing entries can be forced (not mla_decode's combine, which always runs). ValueError names the choices.
     """
-    choices = kernel_module(block).CHOOSABLE_ENTRIES
+    choices = getattr(kernel_module(block), "CHOOSABLE_ENTRIES", ())   # single-entry kernels choose nothing
     if entry not in choices:
         raise ValueError(f"force_entry: {block} has no choosable entry {entry!r}; expected one of {list(choices)}")
     token = _FORCED.set({**_FORCED.get(), block: entry})

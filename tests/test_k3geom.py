@@ -170,6 +170,9 @@ def test_force_entry_names_the_choices():
     with pytest.raises(ValueError, match="mla_decode_split_f32"):
         with k3cuda.force_entry("mla_decode", MLA.ENTRY_COMBINE):
             pass
+    with pytest.raises(ValueError, match=r"rmsnorm has no choosable entry 'rmsnorm_f32'; expected one of \[\]"):
+        with k3cuda.force_entry("rmsnorm", "rmsnorm_f32"):
+            pass
     with k3cuda.force_entry("kda_decode", KDA.ENTRY_FULL):
         assert KDA.pick_entry(1, 1) == KDA.ENTRY_FULL
     assert k3cuda.forced_entry("kda_decode") is None
