@@ -19,6 +19,7 @@ symmetric), MLA pages in a shuffled order with unused slots and pages full of Na
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import importlib
@@ -39,6 +40,9 @@ NOTES_KEY = "__notes__"   # evaluate() may return notes (a list of str) under th
 # evaluate() may return a dict under INFO_KEY: "kernels_ran" (the kernel cores that ran at least once; none:
 # the cell is n/a), "tensor_notes" (tensor -> a line shown with its verdict), "flips" and "teacher_forced"
 INFO_KEY = "__info__"
+# A core case's kwarg naming the kernel entry it must exercise (case param `entry`): not passed to the core;
+# the run is wrapped in k3cuda.force_entry(block, entry), which only the CUDA cores read.
+ENTRY_KEY = "kernel_entry"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,12 +224,18 @@ class CoreKind:
 
     def _run(self, case: Case, cores: Cores, inputs: dict, kwargs: dict) -> dict[str, np.ndarray]:
         spec = self.specs[case.block]
-        out = _named(spec.outputs, getattr(cores, spec.core)(**inputs, **kwargs))
+        kwargs = dict(kwargs)
+        with _forced_entry(spec.core, kwargs.pop(ENTRY_KEY, None)):
+            out = _named(spec.outputs, getattr(cores, spec.core)(**inputs, **kwargs))
         return spec.canonical(out) if spec.canonical else out
 
     def generate(self, case: Case) -> Content:
         spec = self.specs[case.block]
-        inputs, kwargs = spec.make(np.random.default_rng(case.seed), **case.params)
+        params = dict(case.params)
+        entry = params.pop("entry", None)
+        inputs, kwargs = spec.make(np.random.default_rng(case.seed), **params)
+        if entry is not None:
+            kwargs[ENTRY_KEY] = entry
         outputs = self._run(case, reference_cores(), inputs, kwargs)
         tensors = {f"inputs.{k}": v for k, v in inputs.items()}
         tensors.update({f"outputs.{k}": _f64(v) for k, v in outputs.items()})
@@ -255,12 +265,24 @@ class CoreKind:
 
     def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
         inputs, kwargs = self._inputs(golden, backend)
-        seconds = backend.time_core(self.specs[case.block].core, {**inputs, **kwargs})
+        kwargs = dict(kwargs)
+        core = self.specs[case.block].core
+        with _forced_entry(core, kwargs.pop(ENTRY_KEY, None)):
+            seconds = backend.time_core(core, {**inputs, **kwargs})
         if seconds is None:
             return None
         outs = [cast(v, backend.precision) for v in golden.group("outputs").values()]
         # bytes moved: every input read once + every output written once (a lower bound for any kernel)
         return seconds, nbytes(inputs.values()) + nbytes(outs)
+
+
+def _forced_entry(core: str, entry: str | None):
+    """k3cuda.force_entry(core, entry) when a case names an entry, else a no-op context."""
+    if entry is None:
+        return contextlib.nullcontext()
+    import k3cuda
+
+    return k3cuda.force_entry(core, entry)
 
 
 def _f64(a: np.ndarray) -> np.ndarray:
@@ -332,8 +354,9 @@ def _kda_prefill(rng, B, T, H, K, V, lower_bound=-5.0):
     return {"q": q, "k": k, "v": v, "g_raw": g_raw, "beta_raw": beta_raw, **common}, kwargs
 
 
-def _mla_decode(rng, H, R, P, seq_lens, page=64, qk_head=192):
-    """Pages of each sequence in a shuffled order; unused slots and one spare page hold NaN (never read)."""
+def _mla_decode(rng, H, R, P, seq_lens, page=64, qk_head=192, bf16_cache=False):
+    """Pages of each sequence in a shuffled order; unused slots and one spare page hold NaN (never read).
+    bf16_cache: the cache holds bf16 values (K3's cache dtype), so the bf16 entry computes the same math."""
     B, W = len(seq_lens), R + P
     n_pages = [-(-L // page) for L in seq_lens]
     max_pages = max(n_pages) + 1                   # one unused block-table column per sequence
@@ -349,6 +372,8 @@ def _mla_decode(rng, H, R, P, seq_lens, page=64, qk_head=192):
         last = table[b, n - 1]
         cache[last, L - (n - 1) * page:] = np.nan  # slots past seq_len in the last page
         nxt += n
+    if bf16_cache:
+        cache = cache.astype(ml_dtypes.bfloat16).astype(np.float64)
     q_abs = 3.0 * rng.standard_normal((B, H, W))   # peaked softmax: scores ~ 3 sqrt(W) / sqrt(192)
     return ({"q_abs": q_abs, "kv_cache": cache, "block_table": table, "seq_lens": np.asarray(seq_lens, np.int32)},
             {"scale": qk_head ** -0.5, "kv_rank": R})
@@ -444,6 +469,18 @@ CORE_TABLE: dict[str, list[tuple[str, dict]]] = {
         ("attnres_mix/S3-T5-D113", dict(S=3, lead=(5,), D=113)),
         ("attnres_mix/S1-T1-D64", dict(S=1, lead=(1,), D=64)),
         ("attnres_mix/S13-T2-D203-mix0.5", dict(S=13, lead=(2,), D=203, mix=0.5)),
+        # K3's per-head geometry (the k3geom traces run the same widths inside the model): every entry of every
+        # kernel. kda_decode's full-width entry is picked only for B*H >= 2 x the SM count, so it is forced
+        # (with the softplus gate, the Kimi Linear form); B1-H1-K128 above takes the 4-way V split. MLA: the
+        # bf16 cache entry (K3's cache dtype) with 17 heads (two head groups of 16) and two splits, the
+        # second one row long; B1-H2-R512-P64-L70 above takes the fp32 entry over three splits.
+        ("kda_decode/B1-H2-K128-nolb-full", dict(B=1, H=2, K=128, V=128, lower_bound=None,
+                                                 entry="kda_decode_f32")),
+        ("mla_decode/B1-H17-R512-P64-L33-bf16", dict(H=17, R=512, P=64, seq_lens=(33,), bf16_cache=True,
+                                                     entry="mla_decode_split_bf16")),
+        ("rmsnorm/T3-D512-eps1e-6", dict(T=3, D=512, eps=1e-6)),     # MLA kv_a norm width
+        ("rmsnorm/T4-D128", dict(T=4, D=128, eps=1e-5)),               # KDA o_norm: one row per head
+        ("attnres_mix/S9-T2-D256", dict(S=9, lead=(2,), D=256)),      # the kernel's most sources (K3: 8 + 1)
     ],
     "small": [
         ("rmsnorm/T16-D1024", dict(T=16, D=1024, eps=1e-5)),

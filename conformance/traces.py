@@ -1,4 +1,4 @@
-"""Model traces: the whole host graph with one backend's cores swapped in.
+"""Model traces: the whole host graph of a preset model with one backend's cores swapped in.
 
 A trace prefills a 7-token prompt and then decodes 5 tokens greedily (6 steps) on a model config (the
 case's `model` parameter: `tiny`, or any K3Config preset; add a config with `trace_cases`). Two modes:
@@ -27,6 +27,11 @@ The notes of a result list every core that ran k3ref's reference instead of the 
 not a kernel core of that backend, or an UnsupportedShape fallback (a kernel built for K3's head_dim 128
 inside a toy model). A trace where no kernel of the backend ran at all is n/a.
 The AttnRes block-boundary mutant (`mutant:attnres-boundary-off-by-one`) lives here too.
+
+The same two traces run on `k3geom` (K3's per-head geometry at toy counts, `trace/k3geom/*`), where every
+CUDA kernel is inside its shape limits, so the kernels run inside a real layer instead of falling back. Its
+KDA states (128 x 128 per head) dominate the golden size, so it prefills 3 tokens and decodes 1: the case
+params `prompt` and `decode` (the lengths, default 7 and 5) say so and are stored in the golden's kwargs.
 """
 from __future__ import annotations
 
@@ -137,18 +142,20 @@ class _RouterTap:
 
 
 class _Stepper:
-    """Runs the 6 steps of a trace, optionally feeding each layer its golden input state."""
+    """Runs the steps of a trace (the prefill, then one per decoded token), optionally feeding each layer its
+    golden input state."""
 
-    def __init__(self, model: K3CpuModel, cores, feed=None, tap: _RouterTap | None = None):
-        self.model, self.feed, self.tap = model, feed, tap
+    def __init__(self, model: K3CpuModel, cores, feed=None, tap: _RouterTap | None = None,
+                 prompt_len: int = len(PROMPT)):
+        self.model, self.feed, self.tap, self.prompt_len = model, feed, tap, prompt_len
         self.cores = cores if tap is None else cores.replace(moe_route=tap)
         self.cache = model.new_cache()
         self.seq = self.cache.add_sequence()
 
     def steps(self, tokens: np.ndarray):
-        n = len(PROMPT)
+        n = self.prompt_len
         yield 0, tokens[:n]
-        for s in range(1, DECODE_STEPS + 1):
+        for s in range(1, len(tokens) - n + 1):
             yield s, tokens[n + s - 1:n + s]
 
     def run(self, tokens: np.ndarray, snapshot: dict | None = None) -> dict[str, np.ndarray]:
@@ -285,22 +292,25 @@ class TraceKind:
         from k3ref.weights import synthetic_weights
 
         cfg = K3Config.preset(_model_name(case))
+        prompt = list(PROMPT[:case.params.get("prompt", len(PROMPT))])
+        decode = case.params.get("decode", DECODE_STEPS)
         weights = synthetic_weights(cfg, case.seed)
         model = K3CpuModel(cfg, weights, np.float64)
-        new = greedy_decode(model, list(PROMPT), DECODE_STEPS).tokens
-        tokens = np.array(list(PROMPT) + new, dtype=np.int64)
+        new = greedy_decode(model, prompt, decode).tokens
+        tokens = np.array(prompt + new, dtype=np.int64)
         snapshot: dict[str, np.ndarray] = {}
         tap = _RouterTap(reference_cores().moe_route)
-        outputs = _Stepper(model, reference_cores(), tap=tap).run(tokens, snapshot)
+        outputs = _Stepper(model, reference_cores(), tap=tap, prompt_len=len(prompt)).run(tokens, snapshot)
         margins = {f"argmax.step{s}.margin": np.array([argmax_margin(outputs[f"step{s}.logits"])])
-                   for s in range(DECODE_STEPS + 1)}
+                   for s in range(decode + 1)}
         _refuse_ties(case, tap.record, margins)
         tensors = {"inputs.tokens": tokens, **{f"weights.{k}": _stored(v) for k, v in weights.items()},
                    **{f"outputs.{k}": v for k, v in outputs.items()},
                    **{f"inter.{k}": v for k, v in {**tap.record, **margins}.items()}}
         if case.params["mode"] == "layerwise":
             tensors.update(snapshot)
-        return Content(tensors, {"mode": case.params["mode"], "config": _model_name(case)})
+        lengths = {k: case.params[k] for k in ("prompt", "decode") if k in case.params}
+        return Content(tensors, {"mode": case.params["mode"], "config": _model_name(case), **lengths})
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         golden.require(["inputs.tokens"])
@@ -314,7 +324,8 @@ class TraceKind:
         cores, calls, fallbacks = _guard_kernels(backend.cores(), own)
         budgets = {c: v[0] for c, v in gates.MARGIN_BUDGETS.get(p, {}).items()}
         tap = _RouterTap(cores.moe_route, inter, budgets.get("router", 0.0))
-        out = _Stepper(model, cores, feed, tap).run(golden.group("inputs")["tokens"])
+        prompt_len = golden.kwargs.get("prompt", len(PROMPT))
+        out = _Stepper(model, cores, feed, tap, prompt_len).run(golden.group("inputs")["tokens"])
         info = {"teacher_forced": {"router": tap.forced, "argmax": 0}, "flips": [], "tensor_notes": {}}
         self._judge_tokens(golden, out, budgets.get("argmax", 0.0), info)
         notes = [f"{core}: k3ref's reference core ran (not a kernel core of {backend.name})"
@@ -394,16 +405,24 @@ def _refuse_ties(case: Case, route: dict, argmax: dict) -> None:
                          f"{'; '.join(bad)}. Choose another prompt or weight seed (conformance/traces.py).")
 
 
-def trace_cases(model: str, case_set: str = "tiny", prefix: str = "trace/") -> list[tuple[str, dict]]:
-    """The layerwise and free trace cases of model config `model` (a K3Config preset) in `case_set`."""
-    tag = "" if model == case_set else f"{model}-"
-    rows = [(f"{prefix}{tag}{mode}-P{len(PROMPT)}-D{DECODE_STEPS}", {"mode": mode, "model": model})
+def trace_cases(model: str, case_set: str = "tiny", prompt: int = len(PROMPT),
+                decode: int = DECODE_STEPS) -> list[tuple[str, dict]]:
+    """The layerwise and free trace cases of model config `model` (a K3Config preset) in `case_set`, prefilling
+    the first `prompt` tokens of PROMPT and decoding `decode` more: `trace/[<model>/]<mode>-P<prompt>-D<decode>`."""
+    if not 1 <= prompt <= len(PROMPT) or decode < 0:
+        raise ValueError(f"trace_cases: expected 1 <= prompt <= {len(PROMPT)} and decode >= 0, "
+                         f"found prompt={prompt}, decode={decode}")
+    tag = "" if model == case_set else f"{model}/"
+    lengths = {} if (prompt, decode) == (len(PROMPT), DECODE_STEPS) else {"prompt": prompt, "decode": decode}
+    rows = [(f"trace/{tag}{mode}-P{prompt}-D{decode}", {"mode": mode, "model": model, **lengths})
             for mode in ("layerwise", "free")]
     TraceKind.TABLE.setdefault(case_set, []).extend(rows)
     return rows
 
 
 trace_cases("tiny")
+# K3's per-head geometry: its 128 x 128 KDA states dominate the golden size, hence the short trace.
+trace_cases("k3geom", prompt=3, decode=1)
 
 
 class BoundaryOffByOneHub:

@@ -6,6 +6,8 @@ the first launch. `available()` says whether the CUDA backend can run here and, 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 
@@ -18,7 +20,10 @@ KERNEL_MODULES = ("kda_decode", "rmsnorm", "situ_glu", "mla_decode", "mxfp4_gemv
 _ENV_ALIASES = {"kda_decode": ("K3_CUDA_KDA",)}
 
 __all__ = ["ARCHS", "BenchCase", "CheckCase", "EntrySpec", "KERNEL_MODULES", "KernelSpec", "Traffic",
-           "available", "cuda_cores", "enabled", "kernel_module", "kernel_specs"]
+           "available", "cuda_cores", "enabled", "force_entry", "forced_entry", "kernel_module", "kernel_specs"]
+
+# block -> entry forced by force_entry() in this context (a contextvar: threads and tasks do not leak it)
+_FORCED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("k3cuda_forced_entries", default={})
 
 
 def kernel_module(block: str):
@@ -82,3 +87,26 @@ def cuda_cores(base):
         if enabled(block):
             swaps[block] = getattr(kernel_module(block), block)
     return base.replace(**swaps)
+
+
+@contextlib.contextmanager
+def force_entry(block: str, entry: str):
+    """Inside the `with`, the wrapper of `block` launches `entry` instead of the one it would pick.
+
+    For a kernel with several entries chosen by shape or dtype (kda_decode: full width or a 4-way V split by
+    B*H; mla_decode: fp32 or bf16 cache), so that a small golden case exercises each of them. Only the
+    choosing entries can be forced (not mla_decode's combine, which always runs). ValueError names the choices.
+    """
+    choices = getattr(kernel_module(block), "CHOOSABLE_ENTRIES", ())   # single-entry kernels choose nothing
+    if entry not in choices:
+        raise ValueError(f"force_entry: {block} has no choosable entry {entry!r}; expected one of {list(choices)}")
+    token = _FORCED.set({**_FORCED.get(), block: entry})
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced_entry(block: str) -> str | None:
+    """The entry force_entry() set for `block` in this context, else None (the wrapper picks)."""
+    return _FORCED.get().get(block)

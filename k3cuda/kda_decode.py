@@ -20,6 +20,7 @@ THREADS = 256
 ARG_FORMAT = "PPPPPPPPPiff"        # q k v g_raw beta_raw A_log dt_bias state o | H lower_bound scale
 ENTRY_FULL, ENTRY_SPLIT = "kda_decode_f32", "kda_decode_f32_split4"
 SPLIT = {ENTRY_FULL: 1, ENTRY_SPLIT: 4}   # blocks per (b, h): V / COLS
+CHOOSABLE_ENTRIES = (ENTRY_FULL, ENTRY_SPLIT)   # pick_entry chooses; k3cuda.force_entry may override
 
 KERNEL = KernelSpec(
     block="kda_decode",
@@ -54,7 +55,13 @@ def _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state):
 
 
 def pick_entry(B: int, H: int) -> str:
-    """The full-width entry when B*H blocks fill the GPU twice over, else the 4-way V split."""
+    """The full-width entry when B*H blocks fill the GPU twice over, else the 4-way V split (or the entry
+    k3cuda.force_entry set)."""
+    from . import forced_entry
+
+    forced = forced_entry(KERNEL.block)
+    if forced:
+        return forced
     return ENTRY_FULL if B * H >= 2 * runtime.multiprocessor_count() else ENTRY_SPLIT
 
 

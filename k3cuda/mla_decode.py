@@ -29,6 +29,7 @@ WAVES = 4                     # plan about this many blocks per SM (2 resident x
 GRID_YZ_MAX = 65535           # CUDA's limit on gridDim.y and gridDim.z
 
 ENTRY_F32, ENTRY_BF16, ENTRY_COMBINE = "mla_decode_split_f32", "mla_decode_split_bf16", "mla_decode_combine"
+CHOOSABLE_ENTRIES = (ENTRY_F32, ENTRY_BF16)   # split_entry chooses by the cache dtype; k3cuda.force_entry may override
 # packing order of the split entries (the .cu signature): pointers, then scalars
 SPLIT_ARGS = ("q", "kv", "block_table", "seq_lens", "o_part", "m_part", "l_part",
               "scale", "H", "R", "P", "max_pages", "page_size", "chunk", "num_splits")
@@ -111,8 +112,27 @@ def combine_grid(B: int, H: int) -> tuple[int, int]:
 
 
 def split_entry(kv_cache) -> str:
-    """The split entry for the cache's dtype: bf16 stays bf16 on the device, anything else goes as float32."""
-    return ENTRY_BF16 if _is_bf16(kv_cache) else ENTRY_F32
+    """The split entry for the cache's dtype: bf16 stays bf16 on the device, anything else goes as float32
+    (or the entry k3cuda.force_entry set)."""
+    from . import forced_entry
+
+    return forced_entry(KERNEL.block) or (ENTRY_BF16 if _is_bf16(kv_cache) else ENTRY_F32)
+
+
+def _cache_as(kv: np.ndarray, entry: str) -> np.ndarray:
+    """The validated cache in the dtype `entry` reads. A forced bf16 entry takes a float cache only when every
+    value is a bf16 value (a golden's bf16-exact cache), so that the entry computes the same math."""
+    import ml_dtypes
+
+    if entry == ENTRY_BF16 and not _is_bf16(kv):
+        narrow = kv.astype(ml_dtypes.bfloat16)
+        require(np.array_equal(narrow.astype(kv.dtype), kv, equal_nan=True),
+                f"kv_cache: the bf16 entry {ENTRY_BF16} was forced, but the {kv.dtype} cache holds values bf16 "
+                "cannot represent; round the cache to bf16 first")
+        return np.ascontiguousarray(narrow)
+    if entry == ENTRY_F32 and _is_bf16(kv):
+        return np.ascontiguousarray(kv, np.float32)
+    return kv
 
 
 def device_launch(inputs: dict, num_splits: int | None = None, chunk: int | None = None) -> runtime.Launch:
@@ -131,6 +151,7 @@ def device_launch(inputs: dict, num_splits: int | None = None, chunk: int | None
             f"num_splits, chunk: expected >= 1 each with num_splits * chunk >= max seq_len {int(lens.max())}, "
             f"found {num_splits} * {chunk}")
     entry = split_entry(inputs["kv_cache"])
+    kv = _cache_as(kv, entry)
     bufs = dict(
         q=runtime.to_device(q),
         kv=runtime.to_device(kv.view(np.uint16), np.uint16) if entry == ENTRY_BF16 else runtime.to_device(kv),

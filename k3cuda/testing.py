@@ -6,6 +6,7 @@ and within a relative-RMS tolerance.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import zlib
 
@@ -321,8 +322,15 @@ class HostArray:
         np.copyto(self.a, x)
 
 
+# (block, entry) -> launches run by the emulation in this process: tests read it to prove that a kernel entry
+# ran (a core that quietly fell back to its reference would leave no count).
+EMULATED_LAUNCHES: collections.Counter = collections.Counter()
+
+
 class cpu_emulation:
-    """Context manager: k3cuda.runtime's buffers become HostArrays and launches run the C++ emulation."""
+    """Context manager: k3cuda.runtime's buffers become HostArrays and launches run the C++ emulation.
+
+    Every emulated launch is counted in EMULATED_LAUNCHES[(block, entry)]."""
 
     SM_COUNT = 132  # what multiprocessor_count() answers (an H200's)
 
@@ -351,6 +359,7 @@ class cpu_emulation:
             def run():
                 if fn(*grid, e.block_threads, buf):
                     raise RuntimeError(f"{spec.block}/{entry} (CPU emulation): a block deadlocked at a barrier")
+                EMULATED_LAUNCHES[(spec.block, entry)] += 1
 
             return run
 

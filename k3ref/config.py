@@ -404,4 +404,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         a_log_size=5, n_routed_experts=7, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=3,
     ),
+    # K3's per-head geometry at toy counts, so that every CUDA kernel runs inside a model trace: KDA head_dim
+    # 128 (K = V, what kda_decode is built for); MLA kv_lora 512, qk_rope 64, qk_nope 128, v_head 128 (the
+    # mla_decode register layout); MXFP4 dims multiples of the group of 32. Layers 0..4 = KDA KDA KDA | MLA
+    # MLA (K3's schedule cut at 5 layers: MLA at 1-indexed 4 and the last, two in a row), dense layer 0, MoE
+    # 1..4, AttnRes blocks start at 0, 2, 4 (at most 3 blocks + the prefix: attnres_mix takes up to 9 sources);
+    # 2 KDA and 2 MLA heads (TP 2 legal); A_log padded 2 -> 3; odd vocab, expert count and dense width.
+    "k3geom": dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=5, full_attn_layers=_k3_full_attn(5),
+        intermediate_size=75, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kda_num_heads=2, kda_head_dim=128,
+        a_log_size=3, n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=64, routed_expert_hidden_size=32, attn_res_block_size=2,
+    ),
 }

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .config import K3Config
+from .config import PRESETS, K3Config
 
 TEXT_PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -523,7 +523,7 @@ class Verdict:
 
 
 def _config_label(cfg: K3Config) -> str:
-    for name in ("k3", "small", "tiny"):
+    for name in PRESETS:
         if cfg == K3Config.preset(name):
             return f"config {name!r}"
     return f"config ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})"

@@ -160,7 +160,9 @@ def test_route_margin(top_k, n_group, topk_group, expected):
 
 @pytest.mark.torch
 def test_bf16_traces_pass_with_near_ties_teacher_forced():
-    report = run(select(all_cases("tiny"), ["trace/*"]), ["torch-bf16"], COMMITTED_ROOT, timing=False)
+    # tiny's traces: the rows measured on them, and a near-tie greedy token (k3geom's traces have none)
+    tiny = select(all_cases("tiny"), ["trace/layerwise-P7-D5", "trace/free-P7-D5"])
+    report = run(tiny, ["torch-bf16"], COMMITTED_ROOT, timing=False)
     assert report.exit_code == 0, report.first_failure_line()
     for r in report.results:
         assert r.role == "baseline" and not r.flips

@@ -32,7 +32,7 @@ def register(sub) -> None:
     p = sub.add_parser("admit", help="check a checkpoint folder's tensors against the K3 inventory")
     p.add_argument("dir", type=Path, help="checkpoint folder (*.safetensors, model.safetensors.index.json)")
     p.add_argument("--config", default=None,
-                   help="preset name (k3, small, tiny) or config.json path; default: DIR/config.json")
+                   help="preset name (k3, small, tiny, k3geom) or config.json path; default: DIR/config.json")
     p.add_argument("--limit", type=int, default=20, help="problems listed per kind (all are counted)")
     p.set_defaults(func=run)
 

@@ -11,7 +11,7 @@ from .admit import load_config
 def register(sub) -> None:
     p = sub.add_parser("decode", help="greedy decode with the NumPy reference model")
     p.add_argument("--config", default=None,
-                   help="preset name (tiny, small, k3) or a config.json path; default: the checkpoint's "
+                   help="preset name (tiny, k3geom, small, k3) or a config.json path; default: the checkpoint's "
                         "config.json with --checkpoint, else tiny")
     p.add_argument("--checkpoint", help="checkpoint directory (default: synthetic weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")

@@ -12,7 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser("model", help="model geometry: parameters and per-rank memory")
     msub = p.add_subparsers(dest="model_command", metavar="ACTION")
     info = msub.add_parser("info", help="parameters, per-rank weight bytes, KV and KDA state bytes")
-    info.add_argument("--config", default="k3", help="preset name (k3, small, tiny) or config.json path")
+    info.add_argument("--config", default="k3", help="preset name (k3, small, tiny, k3geom) or config.json path")
     info.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the head counts)")
     info.set_defaults(func=run_info)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
