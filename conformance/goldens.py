@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from k3ref.safetensors_io import FormatError, parse_bytes
+
 SCHEMA_VERSION = "1"
 GROUPS = ("inputs", "weights", "inter", "outputs")
 MANIFEST = "MANIFEST.json"
@@ -43,7 +45,7 @@ _DTYPES = {
     "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
 }
 _NP_OF = {tag: np.dtype(name) for name, tag in _DTYPES.items()}
-_MAX_HEADER = 100_000_000
+_ITEMSIZE = {tag: dt.itemsize for tag, dt in _NP_OF.items()}
 
 
 class GoldenError(Exception):
@@ -101,41 +103,21 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> by
 
 
 def decode(blob: bytes, where: str, fix: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    """Parse safetensors bytes -> (metadata, tensors); any defect raises GoldenError('<where>: ...; fix')."""
+    """Parse safetensors bytes -> (metadata, tensors); any defect raises GoldenError('<where>: ...; fix').
 
-    def bad(what: str) -> GoldenError:
-        return GoldenError(f"{where}: {what}. Regenerate it with: {fix}")
-
-    if len(blob) < 8:
-        raise bad(f"truncated: {len(blob)} bytes, expected at least an 8-byte header length")
-    (n,) = struct.unpack("<Q", blob[:8])
-    if n > _MAX_HEADER or 8 + n > len(blob):
-        raise bad(f"truncated or bad header: header length {n} but the file has {len(blob)} bytes")
+    The header goes through k3ref's strict safetensors parser (the format's rules, the tensor named), and
+    only the dtypes a golden may hold are accepted.
+    """
     try:
-        header = json.loads(blob[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"bad header: not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise bad(f"bad header: expected a JSON object, found {type(header).__name__}")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise bad(f"bad header: __metadata__ must be a JSON object of strings, found {type(meta).__name__}")
-    data = memoryview(blob)[8 + n:]
-    tensors: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        try:
-            dtype = _NP_OF[info["dtype"]].newbyteorder("<")
-            shape = tuple(int(s) for s in info["shape"])
-            lo, hi = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"bad header entry for tensor {name!r}: {info!r}") from None
-        want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if hi > len(data):
-            raise bad(f"truncated: tensor {name!r} ends at byte {hi} of the data, which has {len(data)} bytes")
-        if hi - lo != want or lo < 0:
-            raise bad(f"bad header: tensor {name!r} {info['dtype']}{list(shape)} needs {want} bytes, offsets give {hi - lo}")
-        tensors[name] = np.frombuffer(data[lo:hi], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-    return {str(k): str(v) for k, v in meta.items()}, tensors
+        header = parse_bytes(blob, where, _ITEMSIZE)
+    except FormatError as e:
+        raise GoldenError(f"{e}. Regenerate it with: {fix}") from None
+    data = memoryview(blob)[header.data_start:]
+    tensors = {}
+    for name, e in header.entries.items():
+        dtype = _NP_OF[e.dtype].newbyteorder("<")
+        tensors[name] = np.frombuffer(data[e.begin:e.end], dtype=dtype).reshape(e.shape).astype(dtype.newbyteorder("="))
+    return header.metadata, tensors
 
 
 # --------------------------------------------------------------------------------------------------
