@@ -39,6 +39,8 @@ INDEX_FILE = "model.safetensors.index.json"
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 # Every dtype a safetensors header may name, with its item size (admission reads foreign files too).
 SAFETENSORS_ITEMSIZE = safetensors_io.ITEMSIZE
+# admit lists every missing tensor up to this many expected ones (K3 has 497,052), whatever the shards hold
+MAX_LISTED_MISSING = 2_000_000
 _EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight_(packed|scale)$")
 
 
@@ -89,16 +91,21 @@ def parameter_count(spec: TensorSpec) -> int:
 
 # ----- inventory -----
 
-def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
-    """The tensors of layer i, full names, in checkpoint order (norms, mixer, MLP)."""
-    p = layer_prefix(i)
+def _layer_specs(cfg: K3Config, i: int, experts: bool = True) -> list[TensorSpec]:
+    """The tensors of layer i, full names, in checkpoint order (norms, mixer, MLP); the routed experts
+    only when `experts`."""
+    return _block_specs(cfg, layer_prefix(i), cfg.is_mla(i), cfg.mlp_is_dense(i), experts, i)
+
+
+def _block_specs(cfg: K3Config, p: str, mla: bool, dense: bool, experts: bool, i: int) -> list[TensorSpec]:
+    """The tensors of a layer of the given kind under prefix p (layer i names the routed experts)."""
     D = cfg.hidden_size
     out = [TensorSpec(p + n, (D,), "BF16") for n in
            ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attention_res_norm.weight",
             "mlp_res_norm.weight")]
     out += [TensorSpec(p + n, (1, D), "BF16") for n in ("self_attention_res_proj.weight", "mlp_res_proj.weight")]
     a = p + "self_attn."
-    if cfg.is_mla(i):
+    if mla:
         H, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
         out += [
@@ -129,7 +136,7 @@ def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
             out += [TensorSpec(a + "g_a_proj.weight", (K, D), "BF16"),
                     TensorSpec(a + "g_b_proj.weight", (HK, K), "BF16")]
         out += [TensorSpec(a + "o_norm.weight", (K,), "F32"), TensorSpec(a + "o_proj.weight", (D, HK), "BF16")]
-    if cfg.mlp_is_dense(i):
+    if dense:
         m, I = p + "mlp.", cfg.intermediate_size
         out += [TensorSpec(m + "gate_proj.weight", (I, D), "BF16"), TensorSpec(m + "up_proj.weight", (I, D), "BF16"),
                 TensorSpec(m + "down_proj.weight", (D, I), "BF16")]
@@ -147,26 +154,78 @@ def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
             out += [TensorSpec(m + "shared_experts.gate_proj.weight", (S, D), "BF16"),
                     TensorSpec(m + "shared_experts.up_proj.weight", (S, D), "BF16"),
                     TensorSpec(m + "shared_experts.down_proj.weight", (D, S), "BF16")]
-        g = 32  # MXFP4 group
-        for e in range(E):
-            for w, (rows, cols) in ((1, (I, Lt)), (2, (Lt, I)), (3, (I, Lt))):
-                out += [TensorSpec(expert_name(i, e, w, "packed"), (rows, cols // 2), "U8"),
-                        TensorSpec(expert_name(i, e, w, "scale"), (rows, cols // g), "U8")]
+        for e in range(E if experts else 0):
+            out += _expert_specs(cfg, i, e)
     return out
+
+
+def _expert_specs(cfg: K3Config, i: int, e: int) -> list[TensorSpec]:
+    """The six MXFP4 tensors of routed expert e of layer i (w1, w3: [I, latent]; w2: [latent, I])."""
+    I, Lt, g = cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 32   # g: the MXFP4 group
+    out = []
+    for w, (rows, cols) in ((1, (I, Lt)), (2, (Lt, I)), (3, (I, Lt))):
+        out += [TensorSpec(expert_name(i, e, w, "packed"), (rows, cols // 2), "U8"),
+                TensorSpec(expert_name(i, e, w, "scale"), (rows, cols // g), "U8")]
+    return out
+
+
+class InventoryTotals(NamedTuple):
+    """Counts over inventory(cfg), computed without listing it (a config may ask for 10^6 experts)."""
+
+    tensors: int
+    parameters: int
+    nbytes: int
+    expert_parameters: int     # one routed expert's parameters (MXFP4: 2 per packed byte)
+    moe_layers: int
+
+
+@functools.lru_cache(maxsize=32)
+def inventory_totals(cfg: K3Config) -> InventoryTotals:
+    """Tensors, parameters and stored bytes of inventory(cfg), by arithmetic: one layer of each kind
+    (KDA/MLA x dense/MoE) times how many there are, one routed expert times the expert count."""
+    L, mla = cfg.num_hidden_layers, set(cfg.mla_layers)
+    dense = min(cfg.first_k_dense_replace, L)
+    n_mla_dense = sum(1 for i in mla if i < dense)
+    counts = {(True, True): n_mla_dense, (True, False): len(mla) - n_mla_dense,
+              (False, True): dense - n_mla_dense, (False, False): L - dense - (len(mla) - n_mla_dense)}
+    tensors = params = nbytes = 0
+    for (is_mla, is_dense), n in counts.items():
+        specs = _block_specs(cfg, "", is_mla, is_dense, False, 0)
+        tensors += n * len(specs)
+        params += n * sum(parameter_count(s) for s in specs)
+        nbytes += n * sum(s.nbytes for s in specs)
+    expert = _expert_specs(cfg, 0, 0)
+    moe = counts[(True, False)] + counts[(False, False)]
+    per_params = sum(parameter_count(s) for s in expert)
+    tensors += moe * cfg.n_routed_experts * len(expert)
+    params += moe * cfg.n_routed_experts * per_params
+    nbytes += moe * cfg.n_routed_experts * sum(s.nbytes for s in expert)
+    head = [s for s in _global_specs(cfg)]
+    tensors += len(head)
+    params += sum(parameter_count(s) for s in head)
+    nbytes += sum(s.nbytes for s in head)
+    return InventoryTotals(tensors, params, nbytes, per_params, moe)
+
+
+def _global_specs(cfg: K3Config) -> list[TensorSpec]:
+    """The tensors outside the layers: embedding, final norms, AttnRes output projection, lm_head (untied)."""
+    D, Vb = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec(TEXT_PREFIX + "embed_tokens.weight", (Vb, D), "BF16"),
+             TensorSpec(TEXT_PREFIX + "norm.weight", (D,), "BF16"),
+             TensorSpec(TEXT_PREFIX + "output_attn_res_norm.weight", (D,), "BF16"),
+             TensorSpec(TEXT_PREFIX + "output_attn_res_proj.weight", (1, D), "BF16")]
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec(LM_HEAD, (Vb, D), "BF16"))
+    return specs
 
 
 @functools.lru_cache(maxsize=8)
 def _inventory(cfg: K3Config) -> tuple[TensorSpec, ...]:
-    D, Vb = cfg.hidden_size, cfg.vocab_size
-    specs = [TensorSpec(TEXT_PREFIX + "embed_tokens.weight", (Vb, D), "BF16")]
+    head = _global_specs(cfg)
+    specs = head[:1]
     for i in range(cfg.num_hidden_layers):
         specs += _layer_specs(cfg, i)
-    specs += [TensorSpec(TEXT_PREFIX + "norm.weight", (D,), "BF16"),
-              TensorSpec(TEXT_PREFIX + "output_attn_res_norm.weight", (D,), "BF16"),
-              TensorSpec(TEXT_PREFIX + "output_attn_res_proj.weight", (1, D), "BF16")]
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec(LM_HEAD, (Vb, D), "BF16"))
-    return tuple(specs)
+    return tuple(specs + head[1:])
 
 
 def inventory(cfg: K3Config) -> list[TensorSpec]:
@@ -525,6 +584,11 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
                 problems.append(Problem("duplicate", name, found[name].path.name, f.name))
                 continue
             found[name] = h
+    want = inventory_totals(cfg).tensors
+    if want > max(4 * len(found), MAX_LISTED_MISSING):   # listing what is missing would take longer than it helps
+        raise CheckpointError(f"{directory}: {_config_label(cfg)} expects {want:,} text tensors "
+                              f"({cfg.n_routed_experts:,} routed experts in {cfg.num_hidden_layers:,} layers), the "
+                              f"checkpoint holds {len(found):,}: this is not the checkpoint's config")
     expected = {s.name: s for s in inventory(cfg)}
     for name, spec in expected.items():
         h = found.get(name)
