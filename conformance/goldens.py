@@ -355,7 +355,7 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
     entry = manifest["files"].get(rel)
     if not path.is_file():
         raise GoldenError(f"{path}: no such golden file. Generate it with: {fix}")
-    if entry is None:
+    if rel not in manifest["files"]:
         raise bad(f"not listed in {root / MANIFEST}")
     problem = entry_problem(entry)
     if problem:
@@ -384,6 +384,10 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
         raise bad(f"tensor name(s) {misnamed[:5]} are not '<group>.<name>' with group in {GROUPS}")
     if not any(k.startswith("outputs.") for k in tensors):
         raise bad(f"no outputs.* tensor (found {sorted(tensors)})")
+    narrow = sorted(k for k, v in tensors.items() if k.split(".")[0] in ("inter", "outputs")
+                    and v.dtype.kind == "f" and v.dtype != np.float64)
+    if narrow:   # computed tensors are float64 k3ref results; a narrower one is not a reference
+        raise bad(f"computed tensor(s) {narrow[:5]} are {tensors[narrow[0]].dtype}, goldens hold float64 results")
     try:
         kwargs = loads_strict(meta.get("kwargs", "{}"), path, "metadata kwargs")
     except FormatError as e:
@@ -540,17 +544,26 @@ def regen_lock(root: Path, wait: bool = True):
 @contextlib.contextmanager
 def _signals_deferred():
     """Hold back Ctrl-C / SIGTERM / SIGHUP while the files and the manifest are renamed into place (a few
-    milliseconds), so that an interrupt lands before the commit or after it, never inside it."""
-    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    except (AttributeError, ValueError, OSError):   # no pthread_sigmask here: commit unguarded
+    milliseconds), so that an interrupt lands before the commit or after it, never inside it.
+
+    The Python handlers are swapped for ones that only record the signal, then the first recorded one is
+    re-sent once the commit is done. (Masking the signals would not do: the kernel hands a process signal
+    to any thread not masking it, BLAS worker threads included.)"""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():   # handlers can only be set from there
         yield
         return
+    got: list[int] = []
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in sigs}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            os.kill(os.getpid(), got[0])
 
 
 def _compare(case, path: Path, blob: bytes, old: bytes | None, check: bool, accept: bool):
