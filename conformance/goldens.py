@@ -353,7 +353,11 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
     manifest = load_manifest(root) if manifest is None else manifest
     rel = path.relative_to(root).as_posix()
     entry = manifest["files"].get(rel)
-    if not path.is_file():
+    try:
+        present = path.is_file()
+    except OSError as e:   # a name too long, a path through a file
+        raise bad(f"cannot read: {e.strerror}") from None
+    if not present:
         raise GoldenError(f"{path}: no such golden file. Generate it with: {fix}")
     if rel not in manifest["files"]:
         raise bad(f"not listed in {root / MANIFEST}")

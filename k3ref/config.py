@@ -179,12 +179,12 @@ class K3Config:
             raw = dict(path_or_dict)
         else:
             path = Path(path_or_dict)
-            if path.is_dir():
-                path = path / "config.json"
             try:
+                if path.is_dir():
+                    path = path / "config.json"
                 raw = read_json(path, "config")
-            except FormatError as e:
-                raise ValueError(f"config: cannot read {e}") from None
+            except (FormatError, OSError) as e:
+                raise ValueError(f"config: cannot read {str(e)[:400]}") from None
             if not isinstance(raw, dict):
                 raise ValueError(f"config: expected a JSON object in {path}, found {type(raw).__name__}")
         return cls(**_fields_from_json(raw))

@@ -392,3 +392,22 @@ def test_strict_json_only_raises_format_error(raw):
         loads_strict(raw, "f.json", "doc")
     except FormatError as e:
         assert str(e).startswith("f.json: doc: not valid JSON")
+
+
+_LONG = "/tmp/" + "x" * 300   # longer than any file name may be (ENAMETOOLONG)
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["admit", _LONG], id="admit-dir"),
+    pytest.param(["admit", "/tmp", "--config", _LONG], id="admit-config"),
+    pytest.param(["decode", "--checkpoint", _LONG, "--prompt", "1"], id="decode-checkpoint"),
+    pytest.param(["model", "info", "--config", _LONG], id="model-config"),
+    pytest.param(["run", "--golden", _LONG], id="run-golden"),
+    pytest.param(["run", "--report", _LONG, "--cases", "rmsnorm"], id="run-report"),
+    pytest.param(["show", "rmsnorm/T1-D113", "--golden", _LONG], id="show-golden"),
+    pytest.param(["regen", "--check", "--out", _LONG, "--cases", "rmsnorm"], id="regen-out"),
+])
+def test_an_over_long_path_is_a_usage_error_naming_it(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"k3conf {argv[0]}: ") and "xxxxxxxx" in err and "Traceback" not in err

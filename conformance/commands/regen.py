@@ -58,9 +58,10 @@ def run(args) -> int:
             if o.status != "unchanged":
                 print(f"    {d.line()}")
     bad = [o for o in outcomes if o.failed]
+    names = {c.name for c in cases}
     counts = {s: sum(o.status == s for o in outcomes) for s in _SAY}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    print(f"{len(outcomes)} case(s) in {root}: {summary}")
+    print(f"{sum(o.case in names for o in outcomes)} case(s) in {root}: {summary}")
     if bad and not args.check:
         print(f"{len(bad)} golden(s) changed and were kept; inspect the drift above, then rerun with --accept")
     if bad and args.check:

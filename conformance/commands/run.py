@@ -61,7 +61,11 @@ def run(args) -> int:
                          + "; ".join(f"{n}: {w}" for n, w in why_not.items()))
     check_report_dir(args.report)
     root = args.golden or default_root(args.config)
-    if not (root / MANIFEST).exists():
+    try:
+        has_manifest = (root / MANIFEST).is_file()
+    except OSError as e:   # a name too long, a path through a file
+        raise UsageError(f"--golden {str(root)[:300]}: not usable as a golden directory ({e.strerror})") from None
+    if not has_manifest:
         raise UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen --config {args.config}"
                          + (f" --out {root}" if args.golden else ""))
     console = Console() if sys.stdout.isatty() else Console(width=160)
