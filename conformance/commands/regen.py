@@ -50,7 +50,8 @@ def run(args) -> int:
         outcomes = regenerate(cases, root, check=args.check, accept=args.accept, known=known)
     except OSError as e:
         raise UsageError(f"cannot write the goldens to {str(root)[:300]} ({e.strerror}: {e.filename}); "
-                         "nothing was changed there, pass --out DIR") from None
+                         f"`k3conf regen --check{' --out ' + str(root) if args.out else ''}` says what is there "
+                         "now, or pass --out DIR") from None
     for o in outcomes:
         if o.status != "unchanged":
             print(f"{o.case}: {_SAY[o.status]}  [{o.path}]")
