@@ -226,9 +226,12 @@ def _file_mode() -> int:
 TMP_SUFFIX = ".tmp"
 
 
+_TEMP_NAME = re.compile(r"\.(.+\.safetensors|MANIFEST\.json)\.[^.]+" + re.escape(TMP_SUFFIX))
+
+
 def _is_temp(path: Path) -> bool:
-    """A temporary file of atomic_write: '.<name>.<random>.tmp'."""
-    return path.name.startswith(".") and path.name.endswith(TMP_SUFFIX)
+    """A temporary file of a golden or manifest write: '.<name>.safetensors.<random>.tmp', '.MANIFEST.json.<random>.tmp'."""
+    return _TEMP_NAME.fullmatch(path.name) is not None
 
 
 def leftover_temps(root: Path) -> list[Path]:
@@ -283,6 +286,7 @@ class Staged:
             self.tmp.unlink(missing_ok=True)
             raise
         finally:
+            self.tmp = None
             os.close(self.fd)
             self.fd = -1
 

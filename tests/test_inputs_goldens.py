@@ -141,16 +141,35 @@ def test_leftover_temporary_file_is_listed_then_removed(root, capsys):
 
 # ----- concurrent regeneration -----
 
+_SLOW_FIRST_CASE = """
+import sys, time
+import conformance.goldens as g
+orig, calls = g.build_blob, [0]
+def build_blob(case):   # the first case takes 3 s: the other regen starts while this one holds what it read
+    calls[0] += 1
+    if calls[0] == 1:
+        time.sleep(3)
+    return orig(case)
+g.build_blob = build_blob
+from conformance.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_concurrent_regens_keep_every_manifest_entry(tmp_path):
     root = tmp_path / "g"
     groups = [["rmsnorm"], ["situ_glu"]]
-    procs = [subprocess.Popen([sys.executable, "-m", "conformance", "regen", "--out", str(root), "--cases", *g],
-                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for g in groups]
+    procs = []
+    for g in groups:
+        procs.append(subprocess.Popen([sys.executable, "-c", _SLOW_FIRST_CASE, "regen", "--out", str(root),
+                                       "--cases", *g], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        time.sleep(1.5)
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
     listed = set(json.loads((root / "MANIFEST.json").read_text())["files"])
     on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*.safetensors")}
     want = {c.name + ".safetensors" for c in select(all_cases("tiny"), [b for g in groups for b in g])}
     assert listed == on_disk == want
+    assert b"waiting for another regeneration" in procs[1].stderr.read()
 
 
 def test_a_held_lock_refuses_or_waits(tmp_path):
