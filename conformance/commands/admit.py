@@ -47,6 +47,8 @@ def run(args) -> int:
 
     from ..cli import UsageError
 
+    if args.limit < 0:
+        raise UsageError(f"--limit: expected an int >= 0, found {args.limit}")
     cfg = load_config(args.config, args.dir)
     try:
         verdict = admit_checkpoint(args.dir, cfg)

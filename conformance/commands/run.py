@@ -59,7 +59,6 @@ def run(args) -> int:
     if args.backend and len(why_not) == len(set(args.backend)):
         raise UsageError("none of the requested backends can run here: "
                          + "; ".join(f"{n}: {w}" for n, w in why_not.items()))
-    check_report_dir(args.report)
     root = args.golden or default_root(args.config)
     try:
         has_manifest = (root / MANIFEST).is_file()
@@ -68,6 +67,7 @@ def run(args) -> int:
     if not has_manifest:
         raise UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen --config {args.config}"
                          + (f" --out {root}" if args.golden else ""))
+    check_report_dir(args.report)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if console.is_terminal and len(cases) > 10:
         with Progress(console=console, transient=True) as bar:
