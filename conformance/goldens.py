@@ -524,26 +524,28 @@ class RegenBusy(GoldenError):
 
 
 @contextlib.contextmanager
-def regen_lock(root: Path, wait: bool = True):
+def regen_lock(root: Path, wait: bool = True, shared: bool = False):
     """Hold an exclusive flock on the golden directory itself while regenerating into it.
 
     Two regenerations into one directory would each write the manifest from what they read, and the
     later one would drop the other's entries. The second waits (wait=True, saying so on stderr) or
     raises RegenBusy. The lock is on the directory's own descriptor: no lock file to leave behind, and
-    the kernel drops it when the holder dies, even by SIGKILL.
+    the kernel drops it when the holder dies, even by SIGKILL. shared: a reader's lock (`--check`), which
+    only waits for a writer to finish its renames.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root, os.O_RDONLY)
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             if not wait:
                 raise RegenBusy(f"{root}: another `k3conf regen` is writing this golden directory; wait for it to "
                                 "finish, then rerun") from None
             print(f"k3conf regen: waiting for another regeneration writing {root} to finish", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
         yield
     finally:
         os.close(fd)
@@ -617,9 +619,9 @@ def regenerate(cases, root: Path, *, check: bool = False, accept: bool = False,
     Leftover temporary files are removed first.
     """
     root = Path(root)
-    if check:
+    if check and not root.is_dir():   # nothing to read, and --check creates nothing
         return _regenerate(cases, root, check, accept, known)
-    with regen_lock(root):
+    with regen_lock(root, shared=check):
         return _regenerate(cases, root, check, accept, known)
 
 

@@ -179,6 +179,12 @@ def test_a_held_lock_refuses_or_waits(tmp_path):
                 pass
     with goldens.regen_lock(tmp_path, wait=False):   # released: free again
         pass
+    with goldens.regen_lock(tmp_path, shared=True):   # readers (--check) share; a writer must wait for them
+        with goldens.regen_lock(tmp_path, wait=False, shared=True):
+            pass
+        with pytest.raises(goldens.RegenBusy):
+            with goldens.regen_lock(tmp_path, wait=False):
+                pass
 
 
 # ----- the manifest -----
