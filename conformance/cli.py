@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return EXIT_OK
+    except OSError as e:   # a path the checks above did not foresee: still a named file, not a traceback
+        print(f"k3conf {args.command}: {str(e.filename or '')[:300]}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

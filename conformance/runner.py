@@ -36,7 +36,7 @@ from . import gates
 from .backends import DEVICE_BACKENDS, get_backend, kernel_cores
 from .cases import INFO_KEY, NOTES_KEY, Case, kind_of
 from .compare import Comparison, compare
-from .goldens import GoldenError, load_manifest, read_golden
+from .goldens import GoldenError, golden_problems, load_manifest, read_golden, regen_command
 
 # The speed baseline is PyTorch eager doing the same math at the same precision (issue 5): on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.
@@ -196,6 +196,7 @@ class _Runner:
         self.root, self.config, self.timing = Path(root), config, timing
         self.manifest = None
         self.goldens: dict[str, object] = {}
+        self.faults: dict[str, str] = {}    # case -> what is wrong with its golden ('' when nothing)
         self.errors: dict[tuple[str, str], dict[str, float] | None] = {}   # (case, backend) -> tensor -> rel RMS
         self.times: dict[tuple[str, str], float | None] = {}
         self.copy_bw: dict[str, float] = {}
@@ -209,6 +210,19 @@ class _Runner:
             except GoldenError as e:
                 self.goldens[case.name] = e
         return self.goldens[case.name]
+
+    def golden_fault(self, case: Case, golden) -> str:
+        """'' when the golden is what the generator makes in kind (tensor names, dtypes, shapes, kwargs, where
+        it is non-finite), else an error naming the golden and the command that regenerates it. Asked only
+        when a case crashed or failed, so a passing run never pays for the regeneration it takes."""
+        if case.name not in self.faults:
+            try:
+                problems = golden_problems(case, golden)
+            except Exception:  # noqa: BLE001 - no verdict on the golden: blame stays where it was
+                problems = []
+            self.faults[case.name] = (f"broken golden {golden.path}: {'; '.join(problems)}. Regenerate it with: "
+                                      f"{regen_command(case.name, case.config)}") if problems else ""
+        return self.faults[case.name]
 
     def outputs(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         return kind_of(case).evaluate(case, golden, backend)
@@ -287,7 +301,8 @@ class _Runner:
         except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
             where = traceback.extract_tb(e.__traceback__)[-1]
             res.status = "error"
-            res.error = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
+            res.error = (self.golden_fault(case, golden)
+                         or f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
             return res
         res.notes = [str(n) for n in outs.pop(NOTES_KEY, [])]
         info = outs.pop(INFO_KEY, {})
@@ -325,6 +340,9 @@ class _Runner:
                                             str(tensor_notes.get(tensor, ""))))
         if any(not t.passed for t in res.tensors):
             res.status = "fail"
+            fault = self.golden_fault(case, golden)
+            if fault:   # the golden, not the backend, is wrong: say so instead of blaming the backend
+                res.status, res.error = "error", fault
         res.speed = self.speed(case, golden, backend)
         if res.speed is not None and res.speed.passed is False and res.status == "pass":
             res.status = "fail"

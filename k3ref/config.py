@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
+
+from .safetensors_io import FormatError, is_int, read_json
 
 MXFP4_GROUP = 32  # OCP MX block size: one E8M0 scale per 32 E2M1 codes
 
@@ -63,7 +66,8 @@ class K3Config:
     attn_res_block_size: int = 12
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "full_attn_layers", tuple(int(i) for i in self.full_attn_layers))
+        _check_types(self)
+        object.__setattr__(self, "full_attn_layers", tuple(self.full_attn_layers))
         _validate(self)
 
     # ----- layer schedule -----
@@ -135,24 +139,21 @@ class K3Config:
     # ----- parameter counts -----
 
     def num_parameters(self) -> int:
-        """Total parameters, summed over `k3ref.weights.inventory(self)`.
+        """Total parameters of `k3ref.weights.inventory(self)`, counted arithmetically (inventory_totals).
 
         A parameter is one logical weight: MXFP4 packed bytes count 2 each (two E2M1 codes a byte); the
         E8M0 scales are quantisation metadata and do not count. A_log counts its padded length.
         """
-        from .weights import inventory, parameter_count
+        from .weights import inventory_totals
 
-        return sum(parameter_count(t) for t in inventory(self))
+        return inventory_totals(self).parameters
 
     def active_parameters(self) -> int:
         """Parameters one token uses: everything but the routed experts, plus top_k experts per MoE layer."""
-        from .weights import inventory, is_routed_expert, parameter_count
+        from .weights import inventory_totals
 
-        specs = inventory(self)
-        routed = sum(parameter_count(t) for t in specs if is_routed_expert(t.name))
-        n_moe = sum(not self.mlp_is_dense(i) for i in range(self.num_hidden_layers))
-        per_expert = routed // (n_moe * self.n_routed_experts) if n_moe else 0
-        return sum(parameter_count(t) for t in specs) - routed + n_moe * self.num_experts_per_tok * per_expert
+        t = inventory_totals(self)
+        return t.parameters - t.moe_layers * (self.n_routed_experts - self.num_experts_per_tok) * t.expert_parameters
 
     # ----- tensor parallelism -----
 
@@ -178,12 +179,12 @@ class K3Config:
             raw = dict(path_or_dict)
         else:
             path = Path(path_or_dict)
-            if path.is_dir():
-                path = path / "config.json"
             try:
-                raw = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"config: cannot read {path}: {e}") from e
+                if path.is_dir():
+                    path = path / "config.json"
+                raw = read_json(path, "config")
+            except (FormatError, OSError) as e:
+                raise ValueError(f"config: cannot read {str(e)[:400]}") from None
             if not isinstance(raw, dict):
                 raise ValueError(f"config: expected a JSON object in {path}, found {type(raw).__name__}")
         return cls(**_fields_from_json(raw))
@@ -283,13 +284,17 @@ def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
                          f"found {raw['moe_router_activation_func']!r}")
     kvh = raw.get("num_key_value_heads")
     heads = out.get("num_attention_heads")
-    if kvh is not None and heads is not None and (kvh <= 0 or heads % kvh):
+    if kvh is not None and not (is_int(kvh) and kvh > 0):
+        raise ValueError(f"config: num_key_value_heads must be a positive int, found {kvh!r:.80}")
+    if kvh is not None and is_int(heads) and heads % kvh:
         raise ValueError(f"config: num_attention_heads={heads} is not divisible by num_key_value_heads={kvh}")
 
     layers = out.get("num_hidden_layers")
     kda_layers = lac.get("kda_layers", raw.get("kda_layers"))
     if "layer_types" in raw:
-        kinds = list(raw["layer_types"])
+        kinds = raw["layer_types"]
+        if not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+            raise ValueError(f"config: layer_types must be a list of strings, found {kinds!r:.80}")
         unknown = sorted({k for k in kinds if k not in _LAYER_KINDS})
         if unknown:
             raise ValueError(f"config: unknown layer kind(s) {unknown} in layer_types; expected some of "
@@ -298,12 +303,17 @@ def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
         if layers is not None and len(kinds) != layers:
             raise ValueError(f"config: layer_types has {len(kinds)} entries, num_hidden_layers is {layers}")
     if kda_layers is not None:
-        if layers is None:
-            raise ValueError("config: kda_layers given without num_hidden_layers")
-        kda = [int(i) for i in kda_layers]
+        if not (isinstance(kda_layers, list) and all(is_int(i) for i in kda_layers)):
+            raise ValueError(f"config: kda_layers must be a list of ints (1-indexed layers), found {kda_layers!r:.80}")
+        if not is_int(layers):
+            raise ValueError(f"config: kda_layers given without an int num_hidden_layers (found {layers!r:.40})")
+        kda = list(kda_layers)
         if "full_attn_layers" not in out:
             out["full_attn_layers"] = [i for i in range(1, layers + 1) if i not in set(kda)]
-        full = set(int(i) for i in out["full_attn_layers"])
+        fal = out["full_attn_layers"]
+        if not (isinstance(fal, (list, tuple)) and all(is_int(i) for i in fal)):
+            raise ValueError(f"config: full_attn_layers must be a list of ints (1-indexed layers), found {fal!r:.80}")
+        full = set(fal)
         both = sorted(full & set(kda))
         if both:
             raise ValueError(f"config: layer(s) {both} (1-indexed) are in both full_attn_layers and kda_layers")
@@ -314,13 +324,36 @@ def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
         extra = sorted(i for i in kda if not 1 <= i <= layers)
         if extra:
             raise ValueError(f"config: kda_layers {extra} out of range 1..{layers}")
-    if "a_log_size" not in out and "kda_num_heads" in out:
-        out["a_log_size"] = max(128, int(out["kda_num_heads"]))   # K3 pads A_log to 128
+    if "a_log_size" not in out and is_int(out.get("kda_num_heads")):
+        out["a_log_size"] = max(128, out["kda_num_heads"])   # K3 pads A_log to 128
     missing = sorted(f.name for f in dataclasses.fields(K3Config)
                      if f.default is dataclasses.MISSING and f.name not in out)
     if missing:
         raise ValueError(f"config: missing required field(s) {missing} (published or flat spelling)")
     return out
+
+
+def _is_number(v: Any) -> bool:
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# annotation -> (what it must be, the check); JSON true is not 1, "false" is not false, "36" is not [3, 6]
+_TYPE_RULES = {
+    "int": ("an int", is_int),
+    "float": ("a finite number", _is_number),
+    "bool": ("a JSON bool (true/false)", lambda v: isinstance(v, bool)),
+    "float | None": ("a finite number or null", lambda v: v is None or _is_number(v)),
+    "tuple[int, ...]": ("a list of ints", lambda v: isinstance(v, (list, tuple)) and all(is_int(i) for i in v)),
+}
+
+
+def _check_types(c: K3Config) -> None:
+    """Each field has its declared type, nothing coerced; ValueError names the field and the value found."""
+    for f in dataclasses.fields(c):
+        what, ok = _TYPE_RULES[f.type]
+        v = getattr(c, f.name)
+        if not ok(v):
+            raise ValueError(f"config: {f.name} must be {what}, found {type(v).__name__} {v!r:.80}")
 
 
 def _validate(c: K3Config) -> None:

@@ -33,6 +33,19 @@ def parse_expert_name(name: str) -> tuple[int, int, int, str] | None:
     return int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4)
 
 
+E8M0_NAN = 255   # OCP MX v1.0: the E8M0 scale byte that encodes NaN
+
+
+def _check_scale(scale: np.ndarray, name: str, layer: int, expert: int) -> None:
+    """Raise ValueError when an E8M0 scale tensor holds the NaN byte (its whole 32-group would be NaN)."""
+    bad = scale == E8M0_NAN
+    if bad.any():
+        row, group = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: layer {layer}, routed expert {expert}: E8M0 scale byte 255 (NaN) in "
+                         f"{int(bad.sum())} group(s), first at row {row}, group {group} (elements "
+                         f"{32 * group}..{32 * group + 31}); a checkpoint's scales are 0..254")
+
+
 class MmapExpertStore:
     """Routed experts per (layer, expert), served zero-copy from memory-mapped shards.
 
@@ -77,9 +90,15 @@ class MmapExpertStore:
         return self._map(h.path)[h.begin:h.end].reshape(h.shape)
 
     def tensor(self, layer: int, expert: int, w: int, part: str) -> np.ndarray:
-        """One U8 tensor of a routed expert (w in {1, 2, 3}, part in {"packed", "scale"}); counts its bytes."""
+        """One U8 tensor of a routed expert (w in {1, 2, 3}, part in {"packed", "scale"}); counts its bytes.
+
+        A scale tensor holding the E8M0 NaN byte raises ValueError naming the tensor, layer and expert here,
+        where they are known, rather than as a nameless non-finite value deep in the expert's GEMV.
+        """
         name, h = self._entry(layer, expert, w, part)
         out = self._read(name, h)
+        if part == "scale":
+            _check_scale(out, name, layer, expert)
         self.bytes_touched += h.end - h.begin
         return out
 
@@ -88,7 +107,10 @@ class MmapExpertStore:
         entries = self._entries(layer, expert)   # all six checked before any is counted
         out = {}
         for p, h in entries.items():
-            out[p] = self._read(expert_name(layer, expert, int(p[1]), p.split("_")[1]), h)
+            name = expert_name(layer, expert, int(p[1]), p.split("_")[1])
+            out[p] = self._read(name, h)
+            if p.endswith("scale"):
+                _check_scale(out[p], name, layer, expert)
             self.bytes_touched += h.end - h.begin
         self.gets += 1
         return out

@@ -6,8 +6,9 @@
   floats already rounded to what the checkpoint stores (bf16 / float32), so a checkpoint round trip is exact.
 - `synthetic_checkpoint(cfg, seed, out_dir)`: sharded safetensors + index.json + config.json.
 - `CheckpointReader(dir)`: a lazy Mapping[name -> ndarray] over the shards (bf16 returned as float32).
-- `admit_checkpoint(dir, cfg)`: reads only the headers; reports every missing, unexpected, misshaped and
-  mistyped tensor, and index entries pointing at absent shards, in one Verdict.
+- `admit_checkpoint(dir, cfg)`: reads only the headers (checked by the safetensors format rules); reports
+  every missing, unexpected, misshaped and mistyped tensor, and every disagreement between the index and
+  the shards, in one Verdict.
 
 A safetensors file is: 8-byte little-endian header length n, n bytes of JSON header
 {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data buffer
@@ -29,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import safetensors_io
 from .config import PRESETS, K3Config
 
 TEXT_PREFIX = "language_model.model."
@@ -36,11 +38,10 @@ LM_HEAD = "language_model.lm_head.weight"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 # Every dtype a safetensors header may name, with its item size (admission reads foreign files too).
-SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
-                        "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8,
-                        "F64": 8}
+SAFETENSORS_ITEMSIZE = safetensors_io.ITEMSIZE
+# admit lists every missing tensor up to this many expected ones (K3 has 497,052), whatever the shards hold
+MAX_LISTED_MISSING = 2_000_000
 _EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight_(packed|scale)$")
-MAX_HEADER_BYTES = 1 << 30   # a header larger than this is a corrupt length field, not a real header
 
 
 class TensorSpec(NamedTuple):
@@ -90,16 +91,21 @@ def parameter_count(spec: TensorSpec) -> int:
 
 # ----- inventory -----
 
-def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
-    """The tensors of layer i, full names, in checkpoint order (norms, mixer, MLP)."""
-    p = layer_prefix(i)
+def _layer_specs(cfg: K3Config, i: int, experts: bool = True) -> list[TensorSpec]:
+    """The tensors of layer i, full names, in checkpoint order (norms, mixer, MLP); the routed experts
+    only when `experts`."""
+    return _block_specs(cfg, layer_prefix(i), cfg.is_mla(i), cfg.mlp_is_dense(i), experts, i)
+
+
+def _block_specs(cfg: K3Config, p: str, mla: bool, dense: bool, experts: bool, i: int) -> list[TensorSpec]:
+    """The tensors of a layer of the given kind under prefix p (layer i names the routed experts)."""
     D = cfg.hidden_size
     out = [TensorSpec(p + n, (D,), "BF16") for n in
            ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attention_res_norm.weight",
             "mlp_res_norm.weight")]
     out += [TensorSpec(p + n, (1, D), "BF16") for n in ("self_attention_res_proj.weight", "mlp_res_proj.weight")]
     a = p + "self_attn."
-    if cfg.is_mla(i):
+    if mla:
         H, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
         out += [
@@ -130,7 +136,7 @@ def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
             out += [TensorSpec(a + "g_a_proj.weight", (K, D), "BF16"),
                     TensorSpec(a + "g_b_proj.weight", (HK, K), "BF16")]
         out += [TensorSpec(a + "o_norm.weight", (K,), "F32"), TensorSpec(a + "o_proj.weight", (D, HK), "BF16")]
-    if cfg.mlp_is_dense(i):
+    if dense:
         m, I = p + "mlp.", cfg.intermediate_size
         out += [TensorSpec(m + "gate_proj.weight", (I, D), "BF16"), TensorSpec(m + "up_proj.weight", (I, D), "BF16"),
                 TensorSpec(m + "down_proj.weight", (D, I), "BF16")]
@@ -148,26 +154,78 @@ def _layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
             out += [TensorSpec(m + "shared_experts.gate_proj.weight", (S, D), "BF16"),
                     TensorSpec(m + "shared_experts.up_proj.weight", (S, D), "BF16"),
                     TensorSpec(m + "shared_experts.down_proj.weight", (D, S), "BF16")]
-        g = 32  # MXFP4 group
-        for e in range(E):
-            for w, (rows, cols) in ((1, (I, Lt)), (2, (Lt, I)), (3, (I, Lt))):
-                out += [TensorSpec(expert_name(i, e, w, "packed"), (rows, cols // 2), "U8"),
-                        TensorSpec(expert_name(i, e, w, "scale"), (rows, cols // g), "U8")]
+        for e in range(E if experts else 0):
+            out += _expert_specs(cfg, i, e)
     return out
+
+
+def _expert_specs(cfg: K3Config, i: int, e: int) -> list[TensorSpec]:
+    """The six MXFP4 tensors of routed expert e of layer i (w1, w3: [I, latent]; w2: [latent, I])."""
+    I, Lt, g = cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 32   # g: the MXFP4 group
+    out = []
+    for w, (rows, cols) in ((1, (I, Lt)), (2, (Lt, I)), (3, (I, Lt))):
+        out += [TensorSpec(expert_name(i, e, w, "packed"), (rows, cols // 2), "U8"),
+                TensorSpec(expert_name(i, e, w, "scale"), (rows, cols // g), "U8")]
+    return out
+
+
+class InventoryTotals(NamedTuple):
+    """Counts over inventory(cfg), computed without listing it (a config may ask for 10^6 experts)."""
+
+    tensors: int
+    parameters: int
+    nbytes: int
+    expert_parameters: int     # one routed expert's parameters (MXFP4: 2 per packed byte)
+    moe_layers: int
+
+
+@functools.lru_cache(maxsize=32)
+def inventory_totals(cfg: K3Config) -> InventoryTotals:
+    """Tensors, parameters and stored bytes of inventory(cfg), by arithmetic: one layer of each kind
+    (KDA/MLA x dense/MoE) times how many there are, one routed expert times the expert count."""
+    L, mla = cfg.num_hidden_layers, set(cfg.mla_layers)
+    dense = min(cfg.first_k_dense_replace, L)
+    n_mla_dense = sum(1 for i in mla if i < dense)
+    counts = {(True, True): n_mla_dense, (True, False): len(mla) - n_mla_dense,
+              (False, True): dense - n_mla_dense, (False, False): L - dense - (len(mla) - n_mla_dense)}
+    tensors = params = nbytes = 0
+    for (is_mla, is_dense), n in counts.items():
+        specs = _block_specs(cfg, "", is_mla, is_dense, False, 0)
+        tensors += n * len(specs)
+        params += n * sum(parameter_count(s) for s in specs)
+        nbytes += n * sum(s.nbytes for s in specs)
+    expert = _expert_specs(cfg, 0, 0)
+    moe = counts[(True, False)] + counts[(False, False)]
+    per_params = sum(parameter_count(s) for s in expert)
+    tensors += moe * cfg.n_routed_experts * len(expert)
+    params += moe * cfg.n_routed_experts * per_params
+    nbytes += moe * cfg.n_routed_experts * sum(s.nbytes for s in expert)
+    head = [s for s in _global_specs(cfg)]
+    tensors += len(head)
+    params += sum(parameter_count(s) for s in head)
+    nbytes += sum(s.nbytes for s in head)
+    return InventoryTotals(tensors, params, nbytes, per_params, moe)
+
+
+def _global_specs(cfg: K3Config) -> list[TensorSpec]:
+    """The tensors outside the layers: embedding, final norms, AttnRes output projection, lm_head (untied)."""
+    D, Vb = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec(TEXT_PREFIX + "embed_tokens.weight", (Vb, D), "BF16"),
+             TensorSpec(TEXT_PREFIX + "norm.weight", (D,), "BF16"),
+             TensorSpec(TEXT_PREFIX + "output_attn_res_norm.weight", (D,), "BF16"),
+             TensorSpec(TEXT_PREFIX + "output_attn_res_proj.weight", (1, D), "BF16")]
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec(LM_HEAD, (Vb, D), "BF16"))
+    return specs
 
 
 @functools.lru_cache(maxsize=8)
 def _inventory(cfg: K3Config) -> tuple[TensorSpec, ...]:
-    D, Vb = cfg.hidden_size, cfg.vocab_size
-    specs = [TensorSpec(TEXT_PREFIX + "embed_tokens.weight", (Vb, D), "BF16")]
+    head = _global_specs(cfg)
+    specs = head[:1]
     for i in range(cfg.num_hidden_layers):
         specs += _layer_specs(cfg, i)
-    specs += [TensorSpec(TEXT_PREFIX + "norm.weight", (D,), "BF16"),
-              TensorSpec(TEXT_PREFIX + "output_attn_res_norm.weight", (D,), "BF16"),
-              TensorSpec(TEXT_PREFIX + "output_attn_res_proj.weight", (1, D), "BF16")]
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec(LM_HEAD, (Vb, D), "BF16"))
-    return tuple(specs)
+    return tuple(specs + head[1:])
 
 
 def inventory(cfg: K3Config) -> list[TensorSpec]:
@@ -356,58 +414,29 @@ class HeaderEntry:
 
 
 def read_header(path: str | os.PathLike) -> dict[str, HeaderEntry]:
-    """Parse and check one safetensors header; raises CheckpointError naming the file on any defect.
+    """Parse and check one safetensors header; raises CheckpointError naming the file (and tensor) on any defect.
 
-    Checks: file >= 8 bytes; the header length fits in the file; the header is a JSON object; each entry has a
-    known dtype, an int shape, and data_offsets [b, e] with e - b = numel * itemsize inside the file.
+    The format's rules (k3ref.safetensors_io): the header length fits in the file; the header is UTF-8 JSON,
+    an object; each entry has a known dtype, a shape of non-negative ints and data_offsets [b, e] with
+    e - b = numel * itemsize; the tensors tile the data exactly (no gap, overlap or trailing bytes);
+    `__metadata__` maps strings to strings.
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated: {size} bytes, a safetensors file starts with an "
-                                      "8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointError(f"{path}: bad header length {n}: the file holds {size} bytes "
-                                      "(truncated or not a safetensors file)")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e}") from e
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
-    data0 = 8 + n
-    out = {}
-    for name, h in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {h!r} ({err})") from None
-        if dtype not in SAFETENSORS_ITEMSIZE:
-            raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
-        want = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
-        if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e and e - b == want):
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[b, e]} do not hold {dtype} {list(shape)} "
-                                  f"({want} bytes)")
-        if data0 + e > size:
-            raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {data0 + e}, past the end of the "
-                                  f"file ({size} bytes): truncated shard")
-        out[name] = HeaderEntry(path, dtype, shape, data0 + b, data0 + e)
-    return out
+        header = safetensors_io.read_header(path)
+    except safetensors_io.FormatError as e:
+        raise CheckpointError(str(e)) from None
+    d0 = header.data_start
+    return {name: HeaderEntry(path, e.dtype, e.shape, d0 + e.begin, d0 + e.end) for name, e in header.entries.items()}
 
 
 def _shard_files(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory (expected a checkpoint folder with *.safetensors)")
-    files = sorted(directory.glob("*.safetensors"))
+    try:
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory}: not a directory (expected a checkpoint folder with *.safetensors)")
+        files = sorted(f for f in directory.glob("*.safetensors") if f.is_file())
+    except (OSError, ValueError) as e:   # a name too long, a NUL byte, an unreadable folder
+        raise CheckpointError(f"{str(directory)[:300]}: cannot read the checkpoint folder: {e}") from None
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors shards found "
                               "(write one with k3ref.weights.synthetic_checkpoint)")
@@ -533,17 +562,21 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
     """Check a checkpoint directory against inventory(cfg), reading only the safetensors headers.
 
     Reports, all at once: missing, unexpected, misshaped and mistyped tensors, tensors in two shards, and
-    index.json entries that point at absent shards or at a shard not holding the tensor. With text_only,
-    tensors outside `language_model.` (the vision tower) are counted and ignored.
-    Raises CheckpointError (naming the file) for a truncated or corrupt shard or index.
+    disagreements of index.json with the shards (an entry pointing at an absent shard or at a shard not
+    holding the tensor, a shard tensor the index does not list, a wrong metadata.total_size). With
+    text_only, tensors outside `language_model.` (the vision tower) are counted and ignored for the
+    inventory (the index must still list them).
+    Raises CheckpointError naming the file (and tensor) for a shard or index that breaks its format
+    (k3ref.safetensors_io: the safetensors rules, strict JSON).
     """
     directory = Path(directory)
     files = _shard_files(directory)
     found: dict[str, HeaderEntry] = {}
     problems: list[Problem] = []
     ignored = 0
+    shards = {f.name: read_header(f) for f in files}
     for f in files:
-        for name, h in read_header(f).items():
+        for name, h in shards[f.name].items():
             if text_only and not name.startswith("language_model."):
                 ignored += 1
                 continue
@@ -551,6 +584,11 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
                 problems.append(Problem("duplicate", name, found[name].path.name, f.name))
                 continue
             found[name] = h
+    want = inventory_totals(cfg).tensors
+    if want > max(4 * len(found), MAX_LISTED_MISSING):   # listing what is missing would take longer than it helps
+        raise CheckpointError(f"{directory}: {_config_label(cfg)} expects {want:,} text tensors "
+                              f"({cfg.n_routed_experts:,} routed experts in {cfg.num_hidden_layers:,} layers), the "
+                              f"checkpoint holds {len(found):,}: this is not the checkpoint's config")
     expected = {s.name: s for s in inventory(cfg)}
     for name, spec in expected.items():
         h = found.get(name)
@@ -563,35 +601,50 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
             problems.append(Problem("dtype", name, spec.dtype, h.dtype))
     problems += [Problem("unexpected", name, "absent", f"{h.dtype} {list(h.shape)} in {h.path.name}")
                  for name, h in found.items() if name not in expected]
-    problems += _index_problems(directory, found, text_only)
+    problems += _index_problems(directory, shards)
     return Verdict(directory, _config_label(cfg), len(expected), len(found), len(files), ignored, problems)
 
 
-def _index_problems(directory: Path, found: Mapping[str, HeaderEntry], text_only: bool) -> list[Problem]:
-    """index.json entries naming a shard that is absent or that does not hold the tensor."""
+def _index_problems(directory: Path, shards: Mapping[str, Mapping[str, HeaderEntry]]) -> list[Problem]:
+    """The index against the shards: every tensor of every shard is in `weight_map` under its own shard and
+    every `weight_map` entry is in the shard it names; `metadata.total_size` (when given) is the shards'
+    tensor bytes. shards: shard file name -> its header entries (every tensor, text or not).
+    A malformed index (not UTF-8 JSON, not {"weight_map": {name: file}}) raises CheckpointError naming it."""
     path = directory / INDEX_FILE
     if not path.exists():
         return []
     try:
-        wm = json.loads(path.read_text())["weight_map"]
-        if not isinstance(wm, dict):
-            raise TypeError("weight_map is not an object")
-        bad = [name for name, fname in wm.items() if not isinstance(fname, str)]
-        if bad:
-            raise TypeError(f"weight_map[{bad[0]!r}] is {wm[bad[0]]!r}, not a shard file name")
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: unreadable index ({type(e).__name__}: {e})") from e
+        index = safetensors_io.read_json(path, "index")
+    except safetensors_io.FormatError as e:
+        raise CheckpointError(str(e)) from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{path}: unreadable index: expected an object with a \"weight_map\" object "
+                              f"{{tensor name: shard file}}, found {type(wm if isinstance(index, dict) else index).__name__}")
+    bad = [name for name, fname in wm.items() if not isinstance(fname, str)]
+    if bad:
+        raise CheckpointError(f"{path}: unreadable index: weight_map[{bad[0]!r}] is {wm[bad[0]]!r:.80}, "
+                              "not a shard file name")
+    meta = index.get("metadata", {})
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or (total is not None and not (safetensors_io.is_int(total) and total >= 0)):
+        raise CheckpointError(f"{path}: unreadable index: metadata.total_size must be an int >= 0, found "
+                              f"{total if isinstance(meta, dict) else meta!r:.80}")
+    where = {name: fname for fname, entries in shards.items() for name in entries}
     out = []
     absent: dict[str, int] = {}
     for name, fname in wm.items():
-        if text_only and not name.startswith("language_model."):
-            continue
-        if not (directory / fname).is_file():
+        if fname not in shards:
             absent[fname] = absent.get(fname, 0) + 1
-        elif name in found and found[name].path.name != fname:
-            out.append(Problem("index", name, f"in {fname} (index.json)", f"in {found[name].path.name}"))
-        elif name not in found:
-            out.append(Problem("index", name, f"in {fname} (index.json)", "absent from that shard"))
-    out += [Problem("index", fname, "a shard file (index.json maps tensors to it)", f"absent ({k} tensors)")
-            for fname, k in sorted(absent.items())]
+        elif name not in shards[fname]:
+            out.append(Problem("index", name, f"in {fname} (index.json)",
+                               f"in {where[name]}" if name in where else "absent from that shard"))
+    out += [Problem("index", fname[:200], "a shard file in the folder (index.json maps tensors to it)",
+                    f"absent ({k} tensors)") for fname, k in sorted(absent.items())]
+    out += [Problem("index", name, "listed in index.json weight_map", f"absent from it (the tensor is in {fname})")
+            for name, fname in where.items() if name not in wm]
+    have = sum(h.end - h.begin for entries in shards.values() for h in entries.values())
+    if total is not None and total != have:
+        out.append(Problem("index", "metadata.total_size", f"{have} (the bytes of every tensor in the shards)",
+                           str(total)))
     return out

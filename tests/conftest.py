@@ -15,6 +15,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("thorough", deadline=None, max_examples=400)
+# The hostile-input suites (fuzzed goldens, shards, indexes, configs): a few hundred examples even in CI,
+# since each failure they exist to catch is one odd input among many.
+settings.register_profile("hostile-inputs", deadline=None, derandomize=True, max_examples=200,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REQUIREMENT_MARKERS = ("torch", "nvcc", "gxx")

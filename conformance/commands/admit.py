@@ -14,14 +14,19 @@ def load_config(spec: str | None, directory: Path | None = None):
 
     from ..cli import UsageError
 
-    if spec is None:
-        if directory is None or not (directory / "config.json").is_file():
-            raise UsageError(f"no config.json in {directory}; pass --config with a preset "
-                             f"({', '.join(sorted(PRESETS))}) or a path")
-        spec = str(directory / "config.json")
-    if spec not in PRESETS and not Path(spec).exists():
-        raise UsageError(f"--config {spec}: neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
-                         "config.json path")
+    try:
+        if spec is None:
+            if directory is None or not (directory / "config.json").is_file():
+                raise UsageError(f"no config.json in {str(directory)[:300]}; pass --config with a preset "
+                                 f"({', '.join(sorted(PRESETS))}) or a path")
+            spec = str(directory / "config.json")
+        if spec not in PRESETS and not Path(spec).exists():
+            raise UsageError(f"--config {spec[:300]}: neither a preset ({', '.join(sorted(PRESETS))}) nor an "
+                             "existing config.json path")
+    except (OSError, ValueError) as e:   # a name too long, a NUL byte: not a usable path
+        if isinstance(e, UsageError):
+            raise
+        raise UsageError(f"--config / checkpoint path {str(spec or directory)[:300]}: not usable ({e})") from None
     try:
         return K3Config.preset(spec) if spec in PRESETS else K3Config.from_json(spec)
     except ValueError as e:
@@ -42,6 +47,8 @@ def run(args) -> int:
 
     from ..cli import UsageError
 
+    if args.limit < 0:
+        raise UsageError(f"--limit: expected an int >= 0, found {args.limit}")
     cfg = load_config(args.config, args.dir)
     try:
         verdict = admit_checkpoint(args.dir, cfg)

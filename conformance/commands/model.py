@@ -22,19 +22,35 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:10.3f} GiB"
 
 
+# The per-rank plan lists every tensor (K3: 497,052); a config asking for far more is summed, not planned.
+MAX_PLANNED_TENSORS = 5_000_000
+
+
 def run_info(args) -> int:
     from k3ref.tp import GROUPS, TpPlan
+    from k3ref.weights import inventory_totals
 
     from ..cli import UsageError
 
     cfg = load_config(args.config)
     try:
+        cfg.validate_tp(args.tp)
+    except ValueError as e:
+        raise UsageError(f"--tp {args.tp}: {e}") from None
+    totals = inventory_totals(cfg)
+    n_mla = len(cfg.mla_layers)
+    print(f"config {args.config}: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
+          f"{n_mla} MLA), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, tp {args.tp}")
+    print(f"parameters: total {cfg.num_parameters():,}  active per token {cfg.active_parameters():,}")
+    print(f"checkpoint: {totals.tensors:,} tensors, {totals.nbytes:,} B {_gib(totals.nbytes)}")
+    if totals.tensors > MAX_PLANNED_TENSORS:
+        print(f"weight bytes per rank: not planned: {totals.tensors:,} tensors is more than the "
+              f"{MAX_PLANNED_TENSORS:,} a per-rank plan lists; the totals above are exact")
+        return 0
+    try:
         plan = TpPlan(cfg, args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(f"config {args.config}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, "
-          f"{len(cfg.mla_layers)} MLA), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, tp {args.tp}")
-    print(f"parameters: total {cfg.num_parameters():,}  active per token {cfg.active_parameters():,}")
     print("weight bytes per rank:")
     per = plan.weight_bytes_per_rank()
     for group in (*GROUPS, "total"):

@@ -27,9 +27,14 @@ def pick_cases(config: str, patterns):
     """The selected cases; UsageError when none match."""
     from ..cases import all_cases, select
 
-    cases = select(all_cases(config), patterns)
+    everything = all_cases(config)
+    cases = select(everything, patterns)
     if not cases:
         raise UsageError(f"no case matches {patterns} in config {config!r}; `k3conf list cases` shows them")
+    idle = [p for p in patterns or [] if not select(everything, [p])]
+    if idle:   # a typo next to a good pattern would otherwise drop cases silently
+        raise UsageError(f"--cases {' '.join(repr(p) for p in idle)}: matches no case in config {config!r} "
+                         "(`k3conf list cases` shows them)")
     return cases
 
 
@@ -55,9 +60,14 @@ def run(args) -> int:
         raise UsageError("none of the requested backends can run here: "
                          + "; ".join(f"{n}: {w}" for n, w in why_not.items()))
     root = args.golden or default_root(args.config)
-    if not (root / MANIFEST).exists():
+    try:
+        has_manifest = (root / MANIFEST).is_file()
+    except OSError as e:   # a name too long, a path through a file
+        raise UsageError(f"--golden {str(root)[:300]}: not usable as a golden directory ({e.strerror})") from None
+    if not has_manifest:
         raise UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen --config {args.config}"
                          + (f" --out {root}" if args.golden else ""))
+    check_report_dir(args.report)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if console.is_terminal and len(cases) > 10:
         with Progress(console=console, transient=True) as bar:
@@ -72,8 +82,45 @@ def run(args) -> int:
         report = run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing)
     rep.print_terminal(report, console)
     try:
-        paths = rep.write_reports(report, args.report)
-    except OSError as e:
-        raise UsageError(f"cannot write the reports to {args.report} ({e}); pass --report DIR") from None
+        paths = write_reports_together(report, args.report)
+    except OSError as e:   # the folder was writable before the run; it is not now
+        print(f"k3conf run: cannot write the reports to {args.report} ({e.strerror}); none was written",
+              file=sys.stderr)
+        return report.exit_code or 2   # a failed gate still says 1
     console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
     return report.exit_code
+
+
+def check_report_dir(out: Path) -> None:
+    """Refuse an unwritable --report before running anything (not after a long run): create the folder
+    and a probe file in it."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise UsageError(f"--report {str(out)[:300]}: cannot write reports there ({why}); pass --report DIR") from None
+
+
+def write_reports_together(report, out: Path) -> list[Path]:
+    """report.json, .md and .html: all three, or none. They are written into a temporary folder inside
+    `out` first and renamed into place only when all three exist, so a failure (disk full, say) never
+    leaves a new JSON next to a stale HTML."""
+    import os
+    import shutil
+    import tempfile
+
+    from .. import report as rep
+
+    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    try:
+        written = rep.write_reports(report, tmp)
+        final = [out / p.name for p in written]
+        for src, dst in zip(written, final):
+            os.replace(src, dst)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
