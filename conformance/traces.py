@@ -205,11 +205,16 @@ class TraceKind:
                    **{f"outputs.{k}": v for k, v in outputs.items()}}
         if case.params["mode"] == "layerwise":
             tensors.update(snapshot)
+        from .torch_model.trace import verify_trace_golden   # the independent model must agree, else no golden
+
+        verify_trace_golden(case.name, cfg.to_json(), weights, tokens, len(PROMPT), outputs)
         return Content(tensors, {"mode": case.params["mode"], "config": case.config})
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         golden.require(["inputs.tokens"])
         cfg = K3Config.preset(golden.kwargs.get("config", case.config))
+        if hasattr(backend, "evaluate_trace"):   # a whole-model backend runs the trace by its own wiring
+            return backend.evaluate_trace(case, golden, cfg.to_json(), len(PROMPT))
         p = backend.precision
         model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), _compute_dtype(p))
         feed = _GoldenFeed(golden.group("inter"), p) if golden.kwargs["mode"] == "layerwise" else None
