@@ -239,6 +239,9 @@ class TraceKind:
         return f"{mixer}_prefill" if step == 0 else f"{mixer}_decode"
 
     def timing(self, case: Case, golden, backend):
+        if hasattr(backend, "time_trace"):   # a whole-model backend: the whole trace is what it times
+            cfg = K3Config.preset(golden.kwargs.get("config", case.config))
+            return backend.time_trace(case, golden, cfg.to_json(), len(PROMPT))
         return None  # cores are timed in their own cases
 
 

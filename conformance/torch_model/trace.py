@@ -16,6 +16,7 @@ k3ref.config (the geometry as config.json spells it) and conformance helpers; th
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 
@@ -23,9 +24,9 @@ import numpy as np
 
 RECORD = ("h", "x_mixer", "a", "m", "x_mlp", "f")
 # Two float64 implementations of one model, through <= 7 layers x 6 steps with different summation orders
-# (chunked vs recurrent KDA, absorbed vs expanded MLA, expert sums in another order): measured <= 1e-13
-# relative RMS on every trace tensor of `tiny`; 1e-10 leaves three orders for longer traces. A wiring error
-# moves a tensor by > 1e-3.
+# (chunked vs recurrent KDA, absorbed vs expanded MLA, expert sums in another order): measured 3.1e-14
+# relative RMS at worst over every trace tensor of `tiny` (step1.layer04.3_a); 1e-10 leaves three orders for
+# deeper configs and longer traces. Each wiring mutant of tests/test_torch_model.py moves a tensor by > 1e-7.
 AGREEMENT_RTOL = 1e-10
 _NAME = re.compile(r"step(\d+)\.(?:layer(\d+)\.(\d)_\w+|(logits|token))$")
 
@@ -182,6 +183,23 @@ def verify_trace_golden(label: str, config_json: Mapping, weights: Mapping, toke
             f"reads the wiring differently there; see docs/torch_model.md")
 
 
+@contextlib.contextmanager
+def _cpu_threads(device, n: int = 1):
+    """On the CPU, run with `n` intra-op threads: a trace of the toy configs is thousands of tiny ops, where
+    extra threads only add synchronisation (the tiny trace ran 25x slower with 2 threads on a loaded 2-core
+    machine: 2.5 s against 0.1 s)."""
+    torch = _torch()
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class TorchModelBackend:
     """The torch model as a backend: whole traces only (`evaluate_trace`); no cores, no per-block cases.
 
@@ -216,6 +234,23 @@ class TorchModelBackend:
     def time_core(self, core: str, inputs: dict) -> float | None:
         return None
 
+    def time_trace(self, case, golden, config_json: Mapping, prompt_len: int, repeats: int = 3) -> tuple[float, int]:
+        """(median seconds of one whole trace after a warm-up run, 0): the model is built once, untimed.
+        Bytes are not counted (a whole model: no copy-bandwidth ratio), so the report shows the time alone."""
+        import statistics
+        import time
+
+        model = build_model(config_json, golden.group("weights"), self.precision, device=self._device())
+        tokens = golden.group("inputs")["tokens"]
+        times = []
+        with _cpu_threads(self._device()):
+            run_trace(model, tokens, prompt_len)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run_trace(model, tokens, prompt_len)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times), 0
+
     def evaluate_trace(self, case, golden, config_json: Mapping, prompt_len: int) -> dict[str, np.ndarray]:
         """The trace tensors of `golden` (a trace case of the config `config_json`, whose first `prompt_len`
         tokens are the prompt) computed by the torch model at this precision."""
@@ -229,5 +264,6 @@ class TorchModelBackend:
 
                 feed.inter = {k: cast(v, "fp32" if k.endswith(".kda.recurrent") else "bf16")
                               for k, v in feed.inter.items()}
-        return run_trace(model, golden.group("inputs")["tokens"], prompt_len, feed)
+        with _cpu_threads(self._device()):
+            return run_trace(model, golden.group("inputs")["tokens"], prompt_len, feed)
 
