@@ -322,16 +322,15 @@ def test_a_wrong_reading_in_k3ref_breaks_the_agreement_at_its_layer(name, monkey
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
-def test_regen_refuses_a_trace_golden_that_k3ref_computes_with_a_wrong_reading(name, monkeypatch, tmp_path):
-    from conformance.cases import all_cases, select
-    from conformance.goldens import regenerate, save_manifest
+def test_regen_refuses_a_trace_golden_that_k3ref_computes_with_a_wrong_reading(name, monkeypatch, tmp_path, capsys):
+    from conformance.cli import main
 
     MUTANTS[name].patch_k3ref(monkeypatch)
-    save_manifest(tmp_path, {"schema_version": 1, "files": {}})
     layer = re.search(r"layer(\d+)", MUTANTS[name].first)
     where = f"layer {int(layer.group(1))} " if layer else "tensor step0.logits"
-    with pytest.raises(tm_trace.TraceDisagreement, match=re.escape(where)):
-        regenerate(select(all_cases("tiny"), ["trace/free-P7-D5"]), tmp_path)
+    assert main(["regen", "--accept", "--cases", "trace/free-P7-D5", "--out", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "refusing to write" in err and where in err, err
     assert not list(tmp_path.glob("trace/*"))
 
 
@@ -360,6 +359,17 @@ def test_torch_model_backend_passes_the_committed_traces_and_skips_block_cases()
     assert all(status[c.name] == "skip" for c in cases if c.kind != "trace")
     assert report.exit_code == 0
     assert all(r.speed is not None and r.speed.seconds > 0 for r in report.results if r.status == "pass")
+
+
+def test_bf16_model_passes_the_layerwise_trace_and_runs_only_when_named():
+    from conformance.backends import backend_names
+    from conformance.cases import all_cases, select
+    from conformance.runner import run
+
+    assert "torch-model-bf16" not in backend_names()
+    report = run(select(all_cases("tiny"), ["trace/layerwise-P7-D5"]), ["torch-model-bf16"], ROOT / "golden",
+                 timing=False)
+    assert report.exit_code == 0, report.first_failure_line()
 
 
 # ---------------------------------------------------------------------------------------------------

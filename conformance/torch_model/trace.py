@@ -22,6 +22,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from conformance.goldens import GoldenError
+
 RECORD = ("h", "x_mixer", "a", "m", "x_mlp", "f")
 # Two float64 implementations of one model, through <= 7 layers x 6 steps with different summation orders
 # (chunked vs recurrent KDA, absorbed vs expanded MLA, expert sums in another order): measured 3.1e-14
@@ -31,8 +33,9 @@ AGREEMENT_RTOL = 1e-10
 _NAME = re.compile(r"step(\d+)\.(?:layer(\d+)\.(\d)_\w+|(logits|token))$")
 
 
-class TraceDisagreement(ValueError):
-    """k3ref and the torch model disagree on a trace tensor (the message names step, layer and tensor)."""
+class TraceDisagreement(GoldenError, ValueError):
+    """k3ref and the torch model disagree on a trace tensor (the message names step, layer and tensor); a
+    GoldenError, so `k3conf regen` reports it as the reason it wrote nothing."""
 
 
 def _torch():
