@@ -177,7 +177,8 @@ def verify_trace_golden(label: str, config_json: Mapping, weights: Mapping, toke
         raise TraceDisagreement(f"{label}: cannot check the golden against the torch model ({e}); a trace "
                                 "golden is written only when the independent PyTorch model agrees with it: "
                                 "pip install 'k3-conformance[torch]'") from e
-    found = first_disagreement(outputs, run_trace(model, tokens, prompt_len))
+    with _cpu_threads(model.device):
+        found = first_disagreement(outputs, run_trace(model, tokens, prompt_len))
     if found:
         name, err = found
         raise TraceDisagreement(
