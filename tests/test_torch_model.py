@@ -177,6 +177,25 @@ def test_state_dict_names_are_the_checkpoint_names():
     assert set(model.state_dict()) == set(_weights("tiny"))
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small", "k3"])
+def test_config_reads_the_published_config_json(preset, tmp_path):
+    ref = RefConfig.preset(preset)
+    ref.save(tmp_path)
+    cfg = K3Config.from_json(tmp_path)                                   # a checkpoint directory
+    assert cfg == K3Config.from_dict({"text_config": ref.to_json()})     # the multimodal wrapper
+    assert [cfg.is_mla(i) for i in range(cfg.num_hidden_layers)] == [ref.is_mla(i)
+                                                                      for i in range(ref.num_hidden_layers)]
+    common = {f.name for f in dataclasses.fields(K3Config)} & {f.name for f in dataclasses.fields(RefConfig)}
+    assert {n: getattr(cfg, n) for n in common} == {n: getattr(ref, n) for n in common}
+
+
+def test_config_names_a_missing_field():
+    raw = RefConfig.preset("tiny").to_json()
+    del raw["linear_attn_config"]["head_dim"]
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['kda_head_dim'\]"):
+        K3Config.from_dict(raw)
+
+
 def test_the_model_imports_nothing_of_k3ref():
     """configuration_k3, modeling_k3 and loading: only torch, numpy, safetensors, the stdlib and each other."""
     for name in ("configuration_k3", "modeling_k3", "loading"):
