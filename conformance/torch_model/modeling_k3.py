@@ -45,6 +45,12 @@ class Wiring:
     post_norm_is_input_norm: bool = False     # the MLP's norm reads input_layernorm
     mla_cache_kpe_normalised: bool = False    # the MLA cache stores k_pe RMS-normalised
 
+    def __post_init__(self):
+        if self.mla_gate not in ("sigmoid", "silu"):
+            raise ValueError(f"Wiring.mla_gate: expected 'sigmoid' or 'silu', found {self.mla_gate!r}")
+        if self.kv_b_layout not in ("per_head", "stacked"):
+            raise ValueError(f"Wiring.kv_b_layout: expected 'per_head' or 'stacked', found {self.kv_b_layout!r}")
+
 
 CORRECT = Wiring()
 
@@ -55,7 +61,8 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T with x rounded to the weight's dtype; result in x's (wide) dtype."""
+    """x @ weight^T: x rounded to the weight's storage dtype (bf16 in a bf16 model), the product accumulated
+    and returned in x's wide dtype."""
     return F.linear(store(x, weight.dtype), weight.to(x.dtype))
 
 
@@ -532,7 +539,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         if dtype not in (torch.float64, torch.float32, torch.bfloat16):
             raise ValueError(f"dtype: expected torch.float64, torch.float32 or torch.bfloat16, found {dtype}")
-        self.config, self.dtype_, self.wiring = config, dtype, wiring
+        self.config, self.dtype, self.wiring = config, dtype, wiring
         self.language_model = K3LanguageModel(config, dtype, device, wiring)
 
     @classmethod
@@ -550,11 +557,11 @@ class K3ForCausalLM(nn.Module):
         return self.language_model.model.embed_tokens.weight.device
 
     def new_cache(self, batch: int = 1) -> K3Cache:
-        wide = wide_dtype(self.dtype_)
+        wide = wide_dtype(self.dtype)
         layers = []
         for layer in self.language_model.model.layers:
             if isinstance(layer.self_attn, K3GatedMLA):
-                layers.append(layer.self_attn.empty_cache(batch, self.dtype_ if self.dtype_ == torch.bfloat16
+                layers.append(layer.self_attn.empty_cache(batch, self.dtype if self.dtype == torch.bfloat16
                                                           else wide, self.device))
             else:
                 layers.append(layer.self_attn.empty_cache(batch, wide, self.device))
