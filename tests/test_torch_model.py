@@ -16,7 +16,7 @@ import ast
 import dataclasses
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -286,7 +286,7 @@ class Mutant:
     """A wrong reading of the wiring: as a torch-model `Wiring`, and as a monkeypatch of k3ref."""
 
     torch_wiring: Wiring                  # the torch model reading it
-    patch_k3ref: object                   # callable(monkeypatch): k3ref reading it
+    patch_k3ref: Callable[[pytest.MonkeyPatch], None]   # k3ref reading it (monkeypatched)
     first: str                            # the step and layer (tensor-name prefix) that must disagree first
 
 

@@ -357,7 +357,9 @@ class K3Expert(nn.Module):
         super().__init__()
         L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
         self.beta, self.linear_beta, self.dtype = config.situ_beta, config.situ_linear_beta, dtype
-        self.w1, self.w2, self.w3 = K3MxFp4Linear(L, I, device), K3MxFp4Linear(I, L, device), K3MxFp4Linear(L, I, device)
+        self.w1 = K3MxFp4Linear(L, I, device)
+        self.w2 = K3MxFp4Linear(I, L, device)
+        self.w3 = K3MxFp4Linear(L, I, device)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = situ(linear(z, self.w1.weight(self.dtype)), self.beta) * softcap(linear(z, self.w3.weight(self.dtype)),
@@ -576,9 +578,9 @@ class K3ForCausalLM(nn.Module):
         if ids.dim() == 1:
             ids = ids[None]
         V = self.config.vocab_size
-        if ids.dtype not in (torch.int64, torch.int32) or bool(((ids < 0) | (ids >= V)).any()):
-            raise ValueError(f"input_ids: expected integer ids in [0, {V}), found {ids.dtype} "
-                             f"{ids.min().item() if ids.numel() else None}..{ids.max().item() if ids.numel() else None}")
+        if ids.dtype not in (torch.int64, torch.int32) or ids.numel() == 0 or bool(((ids < 0) | (ids >= V)).any()):
+            found = f"{ids.min().item()}..{ids.max().item()}" if ids.numel() else "none"
+            raise ValueError(f"input_ids: expected integer ids in [0, {V}), found {ids.dtype} ids {found}")
         cache = cache if cache is not None else self.new_cache(ids.shape[0])
         hidden = self.language_model.model(ids, cache, records)
         cache.seen_tokens += ids.shape[1]
