@@ -19,6 +19,7 @@ one on to show that the comparison with k3ref catches it and names the layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -325,12 +326,17 @@ class K3MLP(nn.Module):
         return linear(h, self.down_proj.weight)
 
 
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1, dtype=torch.float64, device=device)
+
+
 def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 bytes -> dense [N, K]: w[2i] = E2M1[low nibble], w[2i+1] = E2M1[high nibble], times
     2^(e - 127) of its group of 32 (E8M0 e = 255: NaN). Exact in bf16, float32 and float64."""
     N, half = packed.shape
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(N, 2 * half).long()
-    values = torch.tensor(E2M1, dtype=torch.float64, device=packed.device)[codes]
+    values = _e2m1_table(packed.device)[codes]
     e = scale.to(torch.float64)
     factor = torch.where(scale == 255, torch.full_like(e, float("nan")), torch.pow(2.0, e - 127.0))
     return (values * torch.repeat_interleave(factor, MXFP4_GROUP, dim=-1)).to(dtype)
