@@ -291,6 +291,8 @@ class TraceKind:
         from k3ref.greedy import greedy_decode
         from k3ref.weights import synthetic_weights
 
+        from .torch_model.trace import verify_trace_golden   # the independent model must agree, else no golden
+
         cfg = K3Config.preset(_model_name(case))
         prompt = list(PROMPT[:case.params.get("prompt", len(PROMPT))])
         decode = case.params.get("decode", DECODE_STEPS)
@@ -309,6 +311,7 @@ class TraceKind:
                    **{f"inter.{k}": v for k, v in {**tap.record, **margins}.items()}}
         if case.params["mode"] == "layerwise":
             tensors.update(snapshot)
+        verify_trace_golden(case.name, cfg.to_json(), weights, tokens, len(prompt), outputs)
         lengths = {k: case.params[k] for k in ("prompt", "decode") if k in case.params}
         return Content(tensors, {"mode": case.params["mode"], "config": _model_name(case), **lengths})
 
@@ -316,15 +319,21 @@ class TraceKind:
         golden.require(["inputs.tokens"])
         model_name = golden.kwargs.get("config", _model_name(case))
         cfg = K3Config.preset(model_name)
+        prompt_len = golden.kwargs.get("prompt", len(PROMPT))
+        budgets = {c: v[0] for c, v in gates.MARGIN_BUDGETS.get(backend.precision, {}).items()}
+        if hasattr(backend, "evaluate_trace"):   # a whole-model backend runs the trace by its own wiring
+            out = backend.evaluate_trace(case, golden, cfg.to_json(), prompt_len)
+            info = {"teacher_forced": {"router": 0, "argmax": 0}, "flips": [], "tensor_notes": {}}
+            self._judge_tokens(golden, out, budgets.get("argmax", 0.0), info)
+            out[INFO_KEY] = info
+            return out
         p = backend.precision
         model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), _compute_dtype(p))
         inter = golden.group("inter")
         feed = _GoldenFeed(inter, p) if golden.kwargs["mode"] == "layerwise" else None
         own = backends.kernel_cores(backend)
         cores, calls, fallbacks = _guard_kernels(backend.cores(), own)
-        budgets = {c: v[0] for c, v in gates.MARGIN_BUDGETS.get(p, {}).items()}
         tap = _RouterTap(cores.moe_route, inter, budgets.get("router", 0.0))
-        prompt_len = golden.kwargs.get("prompt", len(PROMPT))
         out = _Stepper(model, cores, feed, tap, prompt_len).run(golden.group("inputs")["tokens"])
         info = {"teacher_forced": {"router": tap.forced, "argmax": 0}, "flips": [], "tensor_notes": {}}
         self._judge_tokens(golden, out, budgets.get("argmax", 0.0), info)
@@ -391,6 +400,9 @@ class TraceKind:
         return case.params["mode"] == "layerwise" or tensor.endswith((".logits", ".token"))
 
     def timing(self, case: Case, golden, backend):
+        if hasattr(backend, "time_trace"):   # a whole-model backend: the whole trace is what it times
+            cfg = K3Config.preset(golden.kwargs.get("config", _model_name(case)))
+            return backend.time_trace(case, golden, cfg.to_json(), golden.kwargs.get("prompt", len(PROMPT)))
         return None  # cores are timed in their own cases
 
 
