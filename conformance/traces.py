@@ -46,6 +46,7 @@ from k3ref.kda import KdaState
 from k3ref.ops import sigmoid
 
 from . import backends, gates
+from .goldens import GoldenError
 from .cases import INFO_KEY, NOTES_KEY, Case, Content, cast, cast_weights, register_kind
 
 PROMPT = (5, 17, 3, 42, 8, 1, 60)
@@ -305,13 +306,14 @@ class TraceKind:
         outputs = _Stepper(model, reference_cores(), tap=tap, prompt_len=len(prompt)).run(tokens, snapshot)
         margins = {f"argmax.step{s}.margin": np.array([argmax_margin(outputs[f"step{s}.logits"])])
                    for s in range(decode + 1)}
-        _refuse_ties(case, tap.record, margins)
         tensors = {"inputs.tokens": tokens, **{f"weights.{k}": _stored(v) for k, v in weights.items()},
                    **{f"outputs.{k}": v for k, v in outputs.items()},
                    **{f"inter.{k}": v for k, v in {**tap.record, **margins}.items()}}
         if case.params["mode"] == "layerwise":
             tensors.update(snapshot)
+        # the wiring first: a disagreement explains a near-tie too (a wrong reading moves the margins)
         verify_trace_golden(case.name, cfg.to_json(), weights, tokens, len(prompt), outputs)
+        _refuse_ties(case, tap.record, margins)
         lengths = {k: case.params[k] for k in ("prompt", "decode") if k in case.params}
         return Content(tensors, {"mode": case.params["mode"], "config": _model_name(case), **lengths})
 
@@ -413,7 +415,7 @@ def _refuse_ties(case: Case, route: dict, argmax: dict) -> None:
     bad += [f"{k} = {float(v[0]):.3g} (argmax, < {TIE_MARGIN['argmax']:g})"
             for k, v in argmax.items() if v[0] < TIE_MARGIN["argmax"]]
     if bad:
-        raise ValueError(f"{case.name}: the golden would sit on a near-tie, where its choice is arbitrary: "
+        raise GoldenError(f"{case.name}: the golden would sit on a near-tie, where its choice is arbitrary: "
                          f"{'; '.join(bad)}. Choose another prompt or weight seed (conformance/traces.py).")
 
 
