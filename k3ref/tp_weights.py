@@ -19,7 +19,7 @@ import numpy as np
 
 from ._check import require
 from .tp import TpPlan
-from .weights import HeaderEntry, _stored_tensors
+from .weights import HeaderEntry, _stored_tensors, inventory
 
 _NP_DTYPES = {"F64": np.float64, "F32": np.float32, "U8": np.uint8, "I64": np.int64, "I32": np.int32}
 
@@ -62,6 +62,16 @@ class SliceReader:
         return out
 
 
+def _check_local(plan: TpPlan, rank: int, name: str, part: np.ndarray, local: dict) -> None:
+    """The rank's model is built for the local config: a shard of another shape is a plan that split the
+    tensor on the wrong axis (vocab rows are the exception: the model does not size them)."""
+    want = local.get(name)
+    if want is not None and plan.entries[name].kind != "vocab":
+        require(part.shape == want, f"rank {rank}: {name}: the plan's shard has shape {list(part.shape)}, the "
+                                    f"rank's model needs {list(want)} ({plan.entries[name].kind} split on the "
+                                    "wrong axis?)")
+
+
 def read_rank_shard(plan: TpPlan, rank: int, entries: Mapping[str, HeaderEntry], prefix: str = "",
                     reader: SliceReader | None = None) -> tuple[dict[str, np.ndarray], ShardBytes]:
     """Rank `rank`'s tensors from safetensors `entries` (name -> HeaderEntry; names are `prefix` + full name).
@@ -70,6 +80,7 @@ def read_rank_shard(plan: TpPlan, rank: int, entries: Mapping[str, HeaderEntry],
     """
     reader = reader or SliceReader()
     out, cost = {}, ShardBytes()
+    local = {s.name: s.shape for s in inventory(plan.local_config())}
     for name, e in plan.entries.items():
         if not plan.holds(name, rank):
             continue
@@ -81,6 +92,7 @@ def read_rank_shard(plan: TpPlan, rank: int, entries: Mapping[str, HeaderEntry],
                 f"in {h.path}")
         full = reader.view(prefix + name, h)
         part = plan.shard(name, full, rank)
+        _check_local(plan, rank, name, part, local)
         if e.kind == "column" and name.endswith("A_log"):   # padded copy of the rank's heads: those were read
             reader.bytes_read += (plan.cfg.kda_num_heads // plan.tp) * full.itemsize
             out[name] = part
@@ -96,8 +108,10 @@ def synthetic_rank_shard(plan: TpPlan, rank: int, seed: int) -> tuple[dict[str, 
     """Rank `rank`'s slice of `k3ref.weights.synthetic_weights(plan.cfg, seed)`, in the storage dtypes."""
     held = [e.spec for name, e in plan.entries.items() if plan.holds(name, rank)]
     out, cost = {}, ShardBytes()
+    local = {s.name: s.shape for s in inventory(plan.local_config())}
     for spec, full in _stored_tensors(plan.cfg, seed, held):
         part = plan.shard(spec.name, full, rank)
+        _check_local(plan, rank, spec.name, part, local)
         out[spec.name] = part if part is full else np.array(part, copy=True)   # drop the rest of the draw
         cost.resident += out[spec.name].nbytes
         cost.tensors += 1

@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    from .run import add_tp_options
+
+    add_tp_options(p)
     p.set_defaults(func=run)
 
 
@@ -38,6 +41,10 @@ def run(args) -> int:
     if cfg.num_parameters() > 2e9 and not args.checkpoint:
         raise UsageError(f"--config {args.config}: {cfg.num_parameters() / 1e9:.0f}B parameters is too large to "
                          "synthesise on the CPU; use tiny or small, or give --checkpoint")
+    if args.tp != 1:
+        from ..dist.cli import decode_tp_command
+
+        return decode_tp_command(args, cfg, prompt)
     dtype = np.dtype(args.dtype)
     try:
         model = (K3CpuModel.from_checkpoint(args.checkpoint, cfg, dtype) if args.checkpoint
