@@ -82,10 +82,17 @@ def blame_ranks(case, golden, outs: dict, tp: int) -> list[str]:
             return [f"rank partials stop at all-reduce #{i}: the ranks ran another schedule than step {s}"]
         if l is None:
             continue
+        bad = []
         for r in range(tp):
             want = _expected(plan, r, weights, inter, outputs, s, l, what)
+            if got[r].shape != want.shape:
+                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {l} has shape {list(got[r].shape)}, "
+                           f"its share of the golden {list(want.shape)}")
+                continue
             err = np.linalg.norm(got[r] - want) / max(np.linalg.norm(want), 1e-300)
-            if got[r].shape != want.shape or not err <= PARTIAL_RTOL:
-                return [f"rank {r}: its {what} partial sum at step {s} layer {l} differs from its share of the "
-                        f"golden (rel err {err:.1e}): that rank's shard or its heads are what goes wrong"]
+            if not err <= PARTIAL_RTOL:
+                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {l} differs from its share of the "
+                           f"golden (rel err {err:.1e}): that rank's shard or its heads are what goes wrong")
+        if bad:
+            return bad
     return ["every rank's partial sums match their shares of the golden: the fault is after the all-reduce"]

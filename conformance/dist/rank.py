@@ -142,6 +142,8 @@ def run_job(job: dict) -> dict | None:
     import torch.distributed as tdist
 
     rank, size, device = init_group(job["dist"], job["timeout"])
+    if job.get("workdir"):
+        (Path(job["workdir"]) / f"rank{rank}.ready").touch()   # joined the group: the run is under way
     if size != job["tp"]:
         raise ValueError(f"WORLD_SIZE is {size}, the job asks for --tp {job['tp']}")
     comm = TorchComm(rank, size, device)

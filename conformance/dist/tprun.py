@@ -36,6 +36,16 @@ class TpBackend:
         return f"numpy64-tp{self.tp}"
 
 
+@dataclasses.dataclass
+class TpRunReport(_runner.RunReport):
+    """A RunReport plus, per case, every rank's row: rank, pid, bytes read and held, the plan's bytes."""
+
+    ranks: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "tp_ranks": self.ranks}
+
+
 class _TpRunner(_runner._Runner):
     """The runner with the outputs of a case taken from the ranks instead of computed here."""
 
@@ -106,7 +116,7 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
         results.append(res)
     row = {"name": backend.name, "precision": backend.precision, "available": True,
            "reason": f"{tp} ranks over torch.distributed ({dist})"}
-    return _runner.RunReport(config, [row], results, time.perf_counter() - t0, {})
+    return TpRunReport(config, [row], results, time.perf_counter() - t0, {}, result["ranks"])
 
 
 def blame(case, golden, outs: dict, tp: int, mutant: str | None) -> list[str]:
