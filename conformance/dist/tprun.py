@@ -10,6 +10,7 @@ that layer differs from its share of the golden is named (`blame`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -79,8 +80,11 @@ def execute(job: dict, workdir: Path | None = None, on_start=None) -> dict:
     """Run `job` on its ranks (spawned, or in place under torchrun); rank 0's result, {} on other ranks."""
     from .rank import read_result, run_job
 
-    if under_torchrun():
-        return run_job(job) or {}
+    if under_torchrun():   # this process is a rank; torchrun's agent ends the others when it fails
+        try:
+            return run_job(job) or {}
+        except Exception as e:  # noqa: BLE001 - reported as this rank's cause, exit 1
+            raise TpFailure(f"rank {os.environ.get('RANK')} (pid {os.getpid()}): {type(e).__name__}: {e}") from e
     with tempfile.TemporaryDirectory(prefix="k3conf-tp-") as tmp:
         wd = Path(workdir) if workdir else Path(tmp)
         job = dict(job, workdir=str(wd))
