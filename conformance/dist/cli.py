@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from ..cli import UsageError
-from .launch import TpFailure, default_dist, under_torchrun
+from .launch import TpFailure, default_dist
 
 
 def _common(args) -> str:

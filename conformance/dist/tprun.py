@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from .. import runner as _runner
 from ..cases import NOTES_KEY
@@ -116,14 +115,14 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
         runner.tp_outputs[case.name] = outs
         res = runner.run_one(case, backend)
         if res.status == "fail":
-            res.notes.extend(blame(case, runner.golden(case), outs, tp, mutant))
+            res.notes.extend(blame(case, runner.golden(case), outs, tp))
         results.append(res)
     row = {"name": backend.name, "precision": backend.precision, "available": True,
            "reason": f"{tp} ranks over torch.distributed ({dist})"}
     return TpRunReport(config, [row], results, time.perf_counter() - t0, {}, result["ranks"])
 
 
-def blame(case, golden, outs: dict, tp: int, mutant: str | None) -> list[str]:
+def blame(case, golden, outs: dict, tp: int) -> list[str]:
     """Which rank's partial sum is wrong at the first failing layer (layerwise traces; [] when unknown)."""
     from .blame import blame_ranks
 
