@@ -151,18 +151,23 @@ def test_a_rank_missing_its_shard_ends_every_rank_naming_it(tmp_path):
     assert "rank 0 (pid" in msg, "what the other rank saw is reported too"
 
 
-def test_killing_a_rank_mid_run_ends_all_within_bounded_time(tmp_path):
+FAULT_GRACE_S = 3.0   # the launcher's wait for the other ranks to fail on their own (the CLI's is 10 s)
+
+
+def _start_decode(workdir: Path, timeout: float = 30.0):
+    """A long greedy decode on 2 spawned ranks, in a thread; returns (pids, outcome, thread) once both ranks
+    have joined the group and are decoding. outcome["error"] is the TpFailure message (None on success)."""
     from conformance.dist.launch import TpFailure, spawn
 
     cfg = K3Config.preset("tiny")
-    job = {"kind": "decode", "tp": 2, "dist": "gloo", "timeout": 30.0, "workdir": str(tmp_path),
+    job = {"kind": "decode", "tp": 2, "dist": "gloo", "timeout": timeout, "workdir": str(workdir),
            "config_json": json.loads(json.dumps(dataclasses.asdict(cfg))), "checkpoint": None, "seed": 0,
            "prompt": [5, 17, 3], "max_new": 20000, "dtype": "float64"}
     pids, outcome = [], {}
 
     def launch():
         try:
-            spawn(job, tmp_path, on_start=pids.extend)
+            spawn(job, workdir, grace=FAULT_GRACE_S, on_start=pids.extend)
             outcome["error"] = None
         except TpFailure as e:
             outcome["error"] = str(e)
@@ -170,10 +175,15 @@ def test_killing_a_rank_mid_run_ends_all_within_bounded_time(tmp_path):
     t = threading.Thread(target=launch, daemon=True)
     t.start()
     deadline = time.monotonic() + FAULT_DEADLINE_S
-    while not all((tmp_path / f"rank{r}.ready").exists() for r in range(2)):
-        assert time.monotonic() < deadline and t.is_alive(), "the ranks never joined"
+    while not all((workdir / f"rank{r}.ready").exists() for r in range(2)):
+        assert time.monotonic() < deadline and t.is_alive(), f"the ranks never joined: {outcome}"
         time.sleep(0.1)
     time.sleep(1.0)   # decoding now
+    return pids, outcome, t
+
+
+def test_killing_a_rank_mid_run_ends_all_within_bounded_time(tmp_path):
+    pids, outcome, t = _start_decode(tmp_path)
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
     t.join(FAULT_DEADLINE_S)
@@ -182,6 +192,17 @@ def test_killing_a_rank_mid_run_ends_all_within_bounded_time(tmp_path):
     assert outcome["error"].startswith(f"rank 1 (pid {pids[1]}) died: killed by signal SIGKILL"), outcome
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"rank process {pid} is still running"
+
+
+def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
+    """Rank 1 stops (SIGSTOP): rank 0's collective times out, and the launcher names rank 1 as hung."""
+    pids, outcome, t = _start_decode(tmp_path, timeout=3.0)
+    os.kill(pids[1], signal.SIGSTOP)
+    t.join(FAULT_DEADLINE_S)
+    assert not t.is_alive(), "the launcher waits on a hung rank"
+    msg = outcome["error"]
+    assert msg.startswith(f"rank 1 (pid {pids[1]}) hung: still running {FAULT_GRACE_S:g} s after a peer failed"), msg
+    assert f"rank 0 (pid {pids[0]}): collective" in msg
 
 
 def _zombie(pid: int) -> bool:

@@ -128,7 +128,7 @@ def spawn(job: dict, workdir: Path, *, grace: float = GRACE_S, on_start=None) ->
         _kill(procs)
         raise
     if any(p.returncode != 0 for p in procs):
-        raise TpFailure(_explain(procs, workdir, stopped))
+        raise TpFailure(_explain(procs, workdir, stopped, grace))
     return [p.pid for p in procs]
 
 
@@ -160,10 +160,12 @@ def _kill(procs: list) -> set[int]:
     return killed
 
 
-def _cause(rank: int, proc, workdir: Path, stopped: set[int]) -> tuple[int, str]:
-    """(order, text) of one failed rank: killed by a signal first, then its own error, then a collective's."""
-    if rank in stopped:
-        return 3, f"rank {rank} (pid {proc.pid}) was still running {GRACE_S:.0f} s later and was killed"
+def _cause(rank: int, proc, workdir: Path, stopped: set[int], grace: float) -> tuple[float, str]:
+    """(order, text) of one failed rank: killed by a signal first, then its own error, then hung, then a
+    collective's failure (the consequence of one of the others)."""
+    if rank in stopped:   # alive while its peers' collectives failed or timed out: it hung, or wedged them
+        return 1.5, (f"rank {rank} (pid {proc.pid}) hung: still running {grace:g} s after a peer failed, "
+                     "killed by the launcher")
     err = error_path(workdir, rank)
     if err.exists():
         try:
@@ -181,7 +183,7 @@ def _cause(rank: int, proc, workdir: Path, stopped: set[int]) -> tuple[int, str]
     return 0, f"rank {rank} (pid {proc.pid}) exited with status {rc} without an error report (see {workdir}/rank{rank}.log)"
 
 
-def _explain(procs: list, workdir: Path, stopped: set[int]) -> str:
-    causes = sorted(_cause(r, p, workdir, stopped) + (r,) for r, p in enumerate(procs) if p.returncode != 0)
+def _explain(procs: list, workdir: Path, stopped: set[int], grace: float) -> str:
+    causes = sorted(_cause(r, p, workdir, stopped, grace) + (r,) for r, p in enumerate(procs) if p.returncode != 0)
     head, rest = causes[0][1], [c[1] for c in causes[1:]]
     return head + ("".join(f"; then {c}" for c in rest) if rest else "")
