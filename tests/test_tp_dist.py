@@ -220,6 +220,11 @@ def test_impossible_plans_are_refused_before_any_process(monkeypatch, capsys):
     assert "does not divide" in capsys.readouterr().err
     assert cli_main(["decode", "--prompt", "1,2", "--tp", "8"]) == 2
     assert "does not divide" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert cli_main(["run", "--tp", "2", "--dist", "nccl"]) == 2
+        assert "expected a GPU per rank (2), found 0" in capsys.readouterr().err
 
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -5,13 +5,19 @@ import sys
 from pathlib import Path
 
 from ..cli import UsageError
-from .launch import TpFailure, default_dist
+from .launch import TpFailure, check_dist, default_dist
 
 
 def _common(args) -> str:
+    """The collective backend, or UsageError before any process starts."""
     if args.tp < 1:
         raise UsageError(f"--tp: expected a positive number of ranks, found {args.tp}")
-    return args.dist or default_dist(args.tp)
+    dist = args.dist or default_dist(args.tp)
+    try:
+        check_dist(dist, args.tp)
+    except TpFailure as e:
+        raise UsageError(str(e)) from None
+    return dist
 
 
 def _announce(pids: list[int]) -> None:
