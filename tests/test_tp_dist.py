@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conformance.cli import main as cli_main
@@ -249,3 +250,43 @@ def test_torchrun_gives_the_same_result(tp_run, tmp_path):
     assert got["status"] == want["status"] == "pass"
     assert [(t["tensor"], t["comparison"]) for t in got["tensors"]] == \
         [(t["tensor"], t["comparison"]) for t in want["tensors"]]
+
+
+class _RecordingComm:
+    """A loopback comm that, like TorchComm, records every all_reduce input while `record` is a list."""
+
+    def __init__(self, inner):
+        self.inner, self.record = inner, None
+
+    def all_reduce(self, a):
+        if self.record is not None:
+            self.record.append(np.array(a, copy=True))
+        return self.inner.all_reduce(a)
+
+    def all_gather(self, a):
+        return self.inner.all_gather(a)
+
+
+@pytest.mark.parametrize("mutant, want", [
+    pytest.param(None, ["every rank's partial sums match their shares of the golden"], id="correct-plan"),
+    pytest.param("q_proj-neighbour-heads", ["rank 0: its mixer partial sum at step 0 layer 0 differs",
+                                            "rank 1: its mixer partial sum at step 0 layer 0 differs"], id="mutant"),
+])
+def test_blame_checks_every_partial_sum_of_every_rank(mutant, want):
+    """The rank code on threads: with the right plan every recorded partial sum (mixers and routed latents of
+    every layer and step) equals that rank's share recomputed from the golden; with a mutant the ranks at
+    fault are named."""
+    from conformance.cases import all_cases
+    from conformance.dist.blame import blame_ranks
+    from conformance.dist.rank import trace_case
+    from conformance.goldens import read_golden
+    from k3ref.tp import LoopbackGroup
+
+    case = next(c for c in all_cases("tiny") if c.name == TRACES[0])
+    job = {"tp": 2, "config": "tiny", "golden_root": str(ROOT / "golden"), "mode": {case.name: "layerwise"},
+           "mutant": mutant}
+    outs, _ = LoopbackGroup(2).run(lambda r, comm: trace_case(job, case.name, r, _RecordingComm(comm)))[0]
+    schedule_len = 6 * (1 + 7 + 6)      # steps x (embedding + 7 mixers + 6 MoE layers) of tiny
+    assert sum(k.startswith("tp.partial.") for k in outs) == schedule_len
+    got = blame_ranks(case, read_golden(ROOT / "golden", case.name), outs, 2)
+    assert len(got) == len(want) and all(line.startswith(w) for line, w in zip(got, want)), got
