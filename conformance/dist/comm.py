@@ -9,14 +9,14 @@ class CollectiveError(RuntimeError):
 
 
 class TorchComm:
-    """all_reduce / all_gather of numpy arrays over the default process group.
+    """all_reduce / all_gather of numpy arrays over `group` (None: the default process group).
 
     `device` is "cpu" for gloo, "cuda:<local rank>" for NCCL. Counts the collectives it ran (`calls`) so a
     failure says which one; `record`, when a list, receives every all_reduce input (this rank's partial sums).
     """
 
-    def __init__(self, rank: int, size: int, device: str = "cpu"):
-        self.rank, self.size, self.device = rank, size, device
+    def __init__(self, rank: int, size: int, device: str = "cpu", group=None):
+        self.rank, self.size, self.device, self.group = rank, size, device, group
         self.calls = 0
         self.record: list | None = None
 
@@ -40,7 +40,7 @@ class TorchComm:
         if self.record is not None:
             self.record.append(np.array(a, copy=True))
         t = self._tensor(a)
-        self._run("all_reduce", lambda: dist.all_reduce(t))
+        self._run("all_reduce", lambda: dist.all_reduce(t, group=self.group))
         return t.cpu().numpy().astype(a.dtype, copy=False)
 
     def all_gather(self, a: np.ndarray) -> np.ndarray:
@@ -50,10 +50,10 @@ class TorchComm:
         a = np.asarray(a)
         t = self._tensor(a)
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._run("all_gather", lambda: dist.all_gather(out, t))
+        self._run("all_gather", lambda: dist.all_gather(out, t, group=self.group))
         return np.stack([o.cpu().numpy() for o in out]).astype(a.dtype, copy=False)
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        self._run("barrier", dist.barrier)
+        self._run("barrier", lambda: dist.barrier(group=self.group))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 DIST_BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 60.0     # a collective that waits longer raises: a peer hangs or took another path
+RENDEZVOUS_S = 300.0        # how long the ranks wait for each other to start
 GRACE_S = 10.0               # after the first failed rank, how long the others get to fail on their own
 
 
@@ -74,7 +75,11 @@ def check_dist(dist: str, tp: int) -> None:
 
 
 def init_group(dist: str, timeout_s: float):
-    """Join the default process group (env://); returns (rank, size, device)."""
+    """Join the process group (env://); returns (rank, size, device, group).
+
+    The rendezvous waits up to RENDEZVOUS_S for the slowest rank to start (imports on a busy machine); the
+    collectives of the returned group wait `timeout_s`, so a hang is found sooner than a slow start.
+    """
     import datetime
 
     import torch.distributed as tdist
@@ -86,8 +91,10 @@ def init_group(dist: str, timeout_s: float):
 
         device = f"cuda:{local}"
         torch.cuda.set_device(local)
-    tdist.init_process_group(dist, timeout=datetime.timedelta(seconds=timeout_s), rank=rank, world_size=size)
-    return rank, size, device
+    tdist.init_process_group(dist, timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_S)), rank=rank,
+                             world_size=size)
+    group = tdist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=dist)
+    return rank, size, device, group
 
 
 def free_port() -> int:

@@ -141,12 +141,12 @@ def run_job(job: dict) -> dict | None:
     """Join the group, run the job on this rank, leave the group; rank 0 returns the result."""
     import torch.distributed as tdist
 
-    rank, size, device = init_group(job["dist"], job["timeout"])
+    rank, size, device, group = init_group(job["dist"], job["timeout"])
     if job.get("workdir"):
         (Path(job["workdir"]) / f"rank{rank}.ready").touch()   # joined the group: the run is under way
     if size != job["tp"]:
         raise ValueError(f"WORLD_SIZE is {size}, the job asks for --tp {job['tp']}")
-    comm = TorchComm(rank, size, device)
+    comm = TorchComm(rank, size, device, group)
     t0 = time.perf_counter()
     result = JOBS[job["kind"]](job, rank, comm)
     if result is not None:
