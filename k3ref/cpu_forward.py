@@ -50,11 +50,15 @@ class K3CpuModel:
 
     `expert_store`: the store serving the routed experts (its `bytes_touched` counts what the forward read)
     when the weights have one (`from_checkpoint`: a `CheckpointWeights`), else None.
+    `tp`: None for the whole model; one rank of a tensor-parallel group otherwise (a `k3ref.tp.TpRank`):
+    `cfg` is then the plan's local config and `weights` that rank's shard, and the graph calls the rank's
+    collectives where the plan puts them (see k3ref.tp).
     """
 
-    def __init__(self, cfg, weights: Mapping, dtype=np.float64):
+    def __init__(self, cfg, weights: Mapping, dtype=np.float64, tp=None):
         require(np.dtype(dtype) in (np.float32, np.float64), f"dtype: expected float32 or float64, found {dtype}")
         self.cfg = cfg
+        self.tp = tp
         self.weights = weights
         self.expert_store = getattr(weights, "store", None)
         self.dtype = np.dtype(dtype)
@@ -128,12 +132,27 @@ class ForwardContext:
 
 
 def embed(model: K3CpuModel, tokens) -> np.ndarray:
-    """Token ids [T] -> embeddings [T, D] (in the model's dtype)."""
+    """Token ids [T] -> embeddings [T, D] (in the model's dtype).
+
+    Under TP each rank holds a vocab slice of the table: it looks up the ids it holds (zero rows elsewhere)
+    and the all-reduce assembles the rows."""
     ids = np.asarray(tokens)
     require(ids.ndim == 1 and ids.dtype.kind in "iu", f"tokens: expected a 1-D integer array, found {ids.dtype} {ids.shape}")
     V = model.cfg.vocab_size
     require(bool(np.all((ids >= 0) & (ids < V))), f"tokens: expected ids in [0, {V}), found {ids.min()}..{ids.max()}")
-    return model.globals()["embed_tokens.weight"][ids]
+    table = model.globals()["embed_tokens.weight"]
+    if model.tp is None:
+        return table[ids]
+    lo, hi = model.tp.vocab.start, model.tp.vocab.stop
+    mine = (ids >= lo) & (ids < hi)
+    rows = np.zeros((len(ids), table.shape[1]), table.dtype)
+    rows[mine] = table[ids[mine] - lo]
+    return model.tp.comm.all_reduce(rows)
+
+
+def all_reduce(model: K3CpuModel, partial: np.ndarray) -> np.ndarray:
+    """The sum of `partial` over the model's TP ranks (the identity for a whole model)."""
+    return partial if model.tp is None else model.tp.comm.all_reduce(partial)
 
 
 def _mixer(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridCache) -> np.ndarray:
@@ -172,7 +191,10 @@ def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
         d = w.sub("mlp.")
         return situ_glu_vec(x, d["gate_proj.weight"], d["up_proj.weight"], d["down_proj.weight"],
                             beta=m.cfg.situ_beta, linear_beta=m.cfg.situ_linear_beta, cores=ctx.cores)
-    return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=ctx.cores)
+    if m.tp is None:
+        return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=ctx.cores)
+    return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=ctx.cores, experts=m.tp.experts,
+                              all_reduce=m.tp.comm.all_reduce)
 
 
 def forward_one_layer(ctx: ForwardContext, layer: int, hidden, cache: HybridCache, cores: Cores | None = None):
@@ -189,7 +211,8 @@ def forward_one_layer(ctx: ForwardContext, layer: int, hidden, cache: HybridCach
     rec["h"] = hidden.mixer_input(layer, w["self_attention_res_proj.weight"], w["self_attention_res_norm.weight"],
                                   mix=mix, cores=ctx.cores)
     rec["x_mixer"] = ctx.cores.rmsnorm(rec["h"], w["input_layernorm.weight"], eps)
-    rec["a"] = _mixer(ctx, layer, rec["x_mixer"], cache)
+    # Under TP the mixer's row-split o_proj leaves a partial sum on each rank.
+    rec["a"] = all_reduce(ctx.model, _mixer(ctx, layer, rec["x_mixer"], cache))
     hidden.add_mixer(rec["a"])
     rec["m"] = hidden.mlp_input(w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], mix=mix, cores=ctx.cores)
     rec["x_mlp"] = ctx.cores.rmsnorm(rec["m"], w["post_attention_layernorm.weight"], eps)
@@ -204,7 +227,8 @@ def final_logits(ctx: ForwardContext, hidden) -> np.ndarray:
     out = hidden.final_input(g["output_attn_res_proj.weight"], g["output_attn_res_norm.weight"],
                              mix=ctx.ablation.attnres_mix, cores=ctx.cores)
     normed = ctx.cores.rmsnorm(out, g["norm.weight"], ctx.model.cfg.rms_norm_eps)
-    return normed @ ctx.model.lm_head().T
+    logits = normed @ ctx.model.lm_head().T
+    return logits if ctx.model.tp is None else ctx.model.tp.gather_vocab(logits)
 
 
 def forward_tokens(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 0, prefill: bool,

@@ -122,8 +122,10 @@ def sigmoid_topk(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int 
 
 
 def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
-                       expert_fn: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+                       expert_fn: Callable[[int, np.ndarray], np.ndarray], experts: range | None = None) -> np.ndarray:
     """y_lat[t] = sum_k weights[t, k] * expert_fn(indices[t, k], z[t]), grouped by expert.
+
+    experts: when given, only the selected experts in it contribute (one expert-parallel rank's partial sum).
 
     z: [T, Dl]; weights: [T, k]; indices: [T, k] int -> y_lat [T, Dl] in z's dtype. expert_fn(e, rows [n, Dl])
     -> [n, Dl] is called once per selected expert with the rows that chose it (never for unselected ones);
@@ -138,6 +140,8 @@ def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
     check_shape("indices", indices, (T, k))
     y = np.zeros_like(z)
     for e in np.unique(indices):
+        if experts is not None and int(e) not in experts:
+            continue
         tok, slot = np.nonzero(indices == e)
         out = np.asarray(expert_fn(int(e), z[tok]))
         check_shape(f"expert_fn({int(e)}) output", out, (len(tok), Dl))
@@ -179,11 +183,14 @@ def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig,
     return gemv("w2", np.asarray(h).astype(z.dtype, copy=False)).astype(z.dtype, copy=False)
 
 
-def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, cores=None) -> np.ndarray:
+def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, cores=None,
+                       experts: range | None = None, all_reduce=None) -> np.ndarray:
     """One LatentMoE layer: x [T, D] -> y [T, D] in x's dtype (float32 for bf16 x).
 
     y = routed_expert_up_proj RMSNorm_eps(mix_k w_k E_k(routed_expert_down_proj x)) (norm when use_norm)
         + situ_glu_vec(x, shared_experts.{gate,up,down}_proj); routing by `cores.moe_route` on gate.weight x.
+    Expert parallel (one rank): `experts` are the routed experts this rank holds, so its y_lat is a partial
+    sum, and `all_reduce(y_lat)` completes it before the routed norm; router and the rest are replicated.
     """
     if cores is None:
         from .cores import reference_cores
@@ -197,7 +204,9 @@ def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, co
                              renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor)
     z = linear(x, _tensor(weights, "routed_expert_down_proj.weight", (Dl, D)))
     y_lat = mix_routed_experts(z, np.asarray(w), np.asarray(idx),
-                               lambda e, rows: routed_expert(weights, e, rows, cfg, cores))
+                               lambda e, rows: routed_expert(weights, e, rows, cfg, cores), experts)
+    if all_reduce is not None:
+        y_lat = all_reduce(y_lat)
     if cfg.use_norm:
         y_lat = np.asarray(cores.rmsnorm(y_lat, _tensor(weights, "routed_expert_norm.weight", (Dl,)),
                                          cfg.norm_eps)).astype(x.dtype, copy=False)

@@ -12,14 +12,22 @@ Split kinds (axis is that of the stored [out, in] weight):
   one rank; rank r holds experts [r c, (r+1) c) with c = ceil(E / tp). A rank sums the routed contributions of
   the experts it holds into a partial latent y_lat; the all-reduce completes y_lat before the routed norm.
 - vocab: embed_tokens / lm_head rows in tp chunks of ceil(V / tp) (the last rank may hold fewer).
-Rank-local head counts are H / tp for KDA and MLA; `cfg.validate_tp(tp)` must pass.
+Rank-local head counts are H / tp for KDA and MLA; `cfg.validate_tp(tp)` must pass, and every rank must hold
+at least one routed expert.
+
+A rank computes with the same host graph as TP 1 (k3ref.cpu_forward): its `K3CpuModel` carries a `TpRank`
+(the rank, its expert and vocab ranges, and a `Comm`), and the graph calls `comm.all_reduce` where the plan
+puts the reductions: after each mixer's row-split o_proj, on the partial routed latent before the routed
+norm, and on the vocab-split embedding lookup; the vocab-split logits are all-gathered. k3ref holds no
+transport: `LoopbackGroup` runs ranks as threads of one process (tests), conformance.dist runs them as
+processes over torch.distributed.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-
-from typing import NamedTuple
+import threading
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -87,6 +95,11 @@ class TpPlan:
     def __init__(self, cfg: K3Config, tp: int):
         cfg.validate_tp(tp)
         self.cfg, self.tp = cfg, tp
+        E = cfg.n_routed_experts
+        if E and self.expert_range(tp - 1)[0] >= E:
+            chunk = -(-E // tp)
+            raise ValueError(f"tp={tp}: {E} routed experts in chunks of {chunk} leave rank {tp - 1} without an "
+                             f"expert; choose tp <= {E} with every chunk non-empty")
         self.entries: dict[str, TpEntry] = {}
         for s in inventory(cfg):
             if ".experts." in s.name and is_routed_expert(s.name):   # fast path: ~99% of K3's tensors
@@ -164,14 +177,51 @@ class TpPlan:
 
     def weight_bytes_per_rank(self) -> dict[str, int]:
         """Stored bytes rank 0 holds (the largest rank), by group, plus "total"."""
-        out = {g: 0 for g in GROUPS}
-        lo, hi = self.expert_range(0)
+        out = self.rank_bytes(0)
+        del out["replicated"]
+        return out
+
+    def rank_bytes(self, rank: int, itemsize=None) -> dict[str, int]:
+        """Bytes `rank` holds, by group, plus "total" and "replicated" (the part every rank holds).
+
+        itemsize(name) -> bytes per element overrides the checkpoint dtype's (a file storing bf16 as F32).
+        """
+        out = {g: 0 for g in (*GROUPS, "replicated")}
+        if itemsize is None:   # experts are whole and ~99% of K3's tensors: summed per expert index once
+            out["experts"] = sum(self._expert_bytes()[e] for e in range(*self.expert_range(rank)))
         for e in self.entries.values():
-            if e.kind == "expert" and not lo <= _expert_index(e.spec.name) < hi:
+            if e.kind == "expert" and (itemsize is None or not self.holds(e.spec.name, rank)):
                 continue
-            out[e.group] += e.local_bytes
+            n = math.prod(self.local_shape(e.spec, e.kind, rank))
+            b = n * (DTYPE_BYTES[e.spec.dtype] if itemsize is None else itemsize(e.spec.name))
+            out[e.group] += b
+            if e.kind == "replicated":
+                out["replicated"] += b
         out["total"] = sum(out[g] for g in GROUPS)
         return out
+
+    def _expert_bytes(self) -> list[int]:
+        """Stored bytes of routed expert e over all MoE layers, by e."""
+        if not hasattr(self, "_expert_bytes_cache"):
+            by = [0] * self.cfg.n_routed_experts
+            for e in self.entries.values():
+                if e.kind == "expert":
+                    by[_expert_index(e.spec.name)] += e.local_bytes
+            self._expert_bytes_cache = by
+        return self._expert_bytes_cache
+
+    def rank(self, rank: int, comm: "Comm") -> "TpRank":
+        """What rank `rank` needs beside its weights to run the host graph: its ranges and `comm`."""
+        if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.tp):
+            raise ValueError(f"rank: expected an int in [0, {self.tp}), found {rank!r}")
+        return TpRank(int(rank), self.tp, comm, range(*self.expert_range(rank)), range(*self._vocab_range(rank)),
+                      -(-self.cfg.vocab_size // self.tp), self.cfg.vocab_size)
+
+    def kda_head_slice(self, rank: int, head_dim: int | None = None) -> slice:
+        """Rank `rank`'s KDA heads (or their channels, head_dim per head): whole heads, contiguous."""
+        h = self.cfg.kda_num_heads // self.tp
+        per = 1 if head_dim is None else head_dim
+        return slice(rank * h * per, (rank + 1) * h * per)
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """MLA cache bytes per token per rank over all MLA layers: (kv_lora + rope) values each, replicated."""
@@ -191,3 +241,95 @@ class TpPlan:
 def _expert_index(name: str) -> int:
     """E of `...block_sparse_moe.experts.{E}.w1.weight_packed`."""
     return int(name.split(".experts.", 1)[1].split(".", 1)[0])
+
+
+class Comm(Protocol):
+    """The collectives of one rank's group. Every rank calls them in the same order with equal shapes."""
+
+    def all_reduce(self, a: np.ndarray) -> np.ndarray:
+        """The element-wise sum of `a` over the ranks (same shape and dtype as `a`)."""
+
+    def all_gather(self, a: np.ndarray) -> np.ndarray:
+        """[ranks, *a.shape]: every rank's `a`, in rank order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpRank:
+    """One rank's place in a tensor-parallel forward: its index, its routed experts and vocab rows, its comm."""
+
+    rank: int
+    size: int
+    comm: Comm
+    experts: range        # routed experts this rank computes (contiguous, see TpPlan.expert_range)
+    vocab: range          # embedding / lm_head rows this rank holds
+    vocab_chunk: int      # ceil(vocab / size): the padded width of every rank's logits slice
+    vocab_size: int
+
+    def gather_vocab(self, logits: np.ndarray) -> np.ndarray:
+        """[..., len(vocab)] rank-local logits -> [..., vocab] (each rank's slice, padded to vocab_chunk)."""
+        pad = np.zeros((*logits.shape[:-1], self.vocab_chunk), logits.dtype)
+        pad[..., :logits.shape[-1]] = logits
+        parts = self.comm.all_gather(pad)                                   # [size, ..., chunk]
+        return np.concatenate(list(parts), axis=-1)[..., :self.vocab_size]
+
+
+class LoopbackGroup:
+    """`size` ranks as threads of one process: real collectives (every rank waits for all), no transport.
+
+    For tests of the host graph under TP without torch; `comm(rank)` is rank `rank`'s Comm. A collective
+    that waits longer than `timeout` seconds raises (a rank that died or took another path).
+    """
+
+    def __init__(self, size: int, timeout: float = 60.0):
+        self.size, self.timeout = size, timeout
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots: list = [None] * size
+
+    def comm(self, rank: int) -> Comm:
+        return _LoopbackComm(self, rank)
+
+    def run(self, fn) -> list:
+        """[fn(rank, comm) for every rank], each on its own thread; the first rank that raises is re-raised,
+        naming it (the others are released from their collectives)."""
+        results, errors = [None] * self.size, {}
+
+        def work(rank):
+            try:
+                results[rank] = fn(rank, self.comm(rank))
+            except BaseException as e:  # noqa: BLE001 - reported below with the rank
+                errors[rank] = e
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raised = {r: e for r, e in errors.items() if not isinstance(e, threading.BrokenBarrierError)}
+            first = min(raised or errors)
+            raise RuntimeError(f"rank {first}: {type(errors[first]).__name__}: {errors[first]}") from errors[first]
+        return results
+
+    def _exchange(self, rank: int, a: np.ndarray) -> list[np.ndarray]:
+        self._slots[rank] = np.array(a, copy=True)
+        self._barrier.wait()
+        got = list(self._slots)
+        self._barrier.wait()          # nobody overwrites a slot before every rank has read them all
+        return got
+
+
+@dataclasses.dataclass
+class _LoopbackComm:
+    group: LoopbackGroup
+    rank: int
+
+    def all_reduce(self, a):
+        parts = self.group._exchange(self.rank, a)
+        out = parts[0].copy()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def all_gather(self, a):
+        return np.stack(self.group._exchange(self.rank, a))

@@ -172,16 +172,24 @@ def test_float32_model_tracks_float64(tiny):
 
 
 @pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in (1, 2, 4)])
-def test_simulated_tp_equals_tp1(tiny, tp):
-    from k3ref.tp_forward import tp_forward_prefill
+def test_tensor_parallel_ranks_equal_tp1(tiny, tp):
+    """Each rank runs the same host graph on its shard with real collectives (threads): same tokens, logits."""
+    from k3ref.tp import LoopbackGroup, TpPlan
+    from k3ref.tp_weights import synthetic_rank_shard
 
     cfg = tiny.cfg
     if cfg.kda_num_heads % 4 or cfg.num_attention_heads % 4:
         cfg = dataclasses.replace(cfg, kda_num_heads=4, num_attention_heads=4)
-    model = K3CpuModel.synthetic(cfg, seed=3)
-    cache = model.new_cache()
-    ref = forward_prefill(model, PROMPT, cache, seq=cache.add_sequence())
-    assert rel_rms(tp_forward_prefill(model, PROMPT, tp), ref) < tol("fp64_same_math")
+    ref = greedy_decode(K3CpuModel.synthetic(cfg, seed=3), PROMPT, 3)
+    plan = TpPlan(cfg, tp)
+
+    def rank(r, comm):
+        shard, _ = synthetic_rank_shard(plan, r, seed=3)
+        return greedy_decode(K3CpuModel(plan.local_config(), shard, tp=plan.rank(r, comm)), PROMPT, 3)
+
+    for got in LoopbackGroup(tp).run(rank):
+        assert got.tokens == ref.tokens
+        assert rel_rms(got.logits, ref.logits) < tol("fp64_same_math")
 
 
 @pytest.mark.parametrize("decode", [pytest.param(greedy_decode, id="cached"),

@@ -216,3 +216,78 @@ def test_cli_model_info(capsys):
         assert f"{group}" in out and f"{n:,}" in out
     assert cli_main(["model", "info", "--config", "small", "--tp", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_a_rank_without_experts_is_refused():
+    import dataclasses
+
+    cfg = dataclasses.replace(K3Config.preset("tiny"), n_routed_experts=3, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="leave rank 3 without an expert"):
+        TpPlan(cfg, 4)          # chunks of 1: experts 0, 1, 2 and nothing for rank 3
+    assert TpPlan(cfg, 2).expert_range(1) == (2, 3)
+
+
+@pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in (2, 4)])
+def test_synthetic_shard_is_the_slice_of_the_full_weights(tp):
+    from k3ref.tp_weights import synthetic_rank_shard
+    from k3ref.weights import synthetic_weights
+
+    cfg = K3Config.preset("tiny")
+    plan, full = TpPlan(cfg, tp), synthetic_weights(cfg, seed=5)
+    for r in range(tp):
+        shard, cost = synthetic_rank_shard(plan, r, seed=5)
+        assert set(shard) == {n for n in full if plan.holds(n, r)}
+        for n, a in shard.items():
+            np.testing.assert_array_equal(np.asarray(a, np.float64) if a.dtype != np.uint8 else a,
+                                          plan.shard(n, full[n], r), err_msg=n)
+        assert cost.resident == plan.rank_bytes(r)["total"]
+
+
+@pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in (2, 4)])
+def test_read_shard_reads_only_the_slices(tmp_path, tp):
+    """From a checkpoint directory a rank copies exactly its slices: the bytes counted are the plan's for that
+    rank (less the A_log padding it fills with zeros), and every array equals the slice of the full tensor."""
+    from k3ref.tp_weights import read_rank_shard
+    from k3ref.weights import CheckpointReader, synthetic_checkpoint, synthetic_weights
+
+    cfg = K3Config.preset("tiny")
+    synthetic_checkpoint(cfg, 2, tmp_path, shard_bytes=1 << 16)
+    entries = CheckpointReader(tmp_path).entries
+    plan, full = TpPlan(cfg, tp), synthetic_weights(cfg, seed=2)
+    pad = (cfg.a_log_size - cfg.kda_num_heads // tp) * 4 * len(cfg.kda_layers)   # F32 zeros, not read
+    for r in range(tp):
+        shard, cost = read_rank_shard(plan, r, entries)
+        assert cost.read == plan.rank_bytes(r)["total"] - pad
+        assert cost.resident == plan.rank_bytes(r)["total"]
+        for n, a in shard.items():
+            np.testing.assert_array_equal(np.asarray(a, np.float64) if a.dtype != np.uint8 else a,
+                                          plan.shard(n, full[n], r), err_msg=n)
+    del entries[L + "1.block_sparse_moe.experts.6.w1.weight_scale"]
+    with pytest.raises(ValueError, match=rf"rank {tp - 1}: tensor .*experts\.6\.w1\.weight_scale of its shard is missing"):
+        read_rank_shard(plan, tp - 1, entries)
+
+
+def test_loopback_rank_that_raises_is_named_and_releases_the_others():
+    from k3ref.tp import LoopbackGroup
+
+    def work(rank, comm):
+        if rank == 1:
+            raise ValueError("bad tensor")
+        return comm.all_reduce(np.ones(3))     # would wait forever for rank 1 without the abort
+
+    with pytest.raises(RuntimeError, match="rank 1: ValueError: bad tensor"):
+        LoopbackGroup(3, timeout=30).run(work)
+
+
+def test_gather_vocab_uneven():
+    from k3ref.tp import LoopbackGroup
+
+    plan = TpPlan(K3Config.preset("tiny"), 4)     # vocab 97 in rows of 25, 25, 25, 22
+    full = np.arange(2 * 97, dtype=np.float64).reshape(2, 97)
+
+    def work(rank, comm):
+        tp = plan.rank(rank, comm)
+        return tp.gather_vocab(full[:, tp.vocab.start:tp.vocab.stop])
+
+    for got in LoopbackGroup(4).run(work):
+        np.testing.assert_array_equal(got, full)

@@ -19,6 +19,9 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    from .run import add_tp_options
+
+    add_tp_options(p)
     p.set_defaults(func=run)
 
 
@@ -97,6 +100,10 @@ def run(args) -> int:
     if cfg.num_parameters() > 2e9 and not args.checkpoint:
         raise UsageError(f"--config {args.config}: {cfg.num_parameters() / 1e9:,.0f}B parameters is too large to "
                          "synthesise on the CPU; use tiny or small, or give --checkpoint")
+    if args.tp != 1:
+        from ..dist.cli import decode_tp_command
+
+        return decode_tp_command(args, cfg, prompt)
     dtype = np.dtype(args.dtype)
     _check_request(args, cfg, prompt, checkpoint is None, dtype.itemsize)
     if checkpoint is not None:   # every name, shape and dtype checked before anything is computed

@@ -55,6 +55,12 @@ def run_info(args) -> int:
     per = plan.weight_bytes_per_rank()
     for group in (*GROUPS, "total"):
         print(f"  {group:<11} {per[group]:>18,} B {_gib(per[group])}")
+    if args.tp > 1:
+        print("per rank (bytes held; `replicated` is the part every rank holds):")
+        for r in range(args.tp):
+            b = plan.rank_bytes(r)
+            print(f"  rank {r:<3} total {b['total']:>18,} B  replicated {b['replicated']:>18,} B  "
+                  f"experts {b['experts']:>18,} B  embeddings {b['embeddings']:>14,} B")
     print(f"MLA cache per token (bf16, all {len(cfg.mla_layers)} MLA layers): {plan.kv_bytes_per_token():,} B")
     print(f"KDA state per sequence (fp32, all {len(cfg.kda_layers)} KDA layers): "
           f"{plan.kda_state_bytes_per_sequence():,} B")

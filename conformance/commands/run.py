@@ -20,7 +20,21 @@ def register(sub) -> None:
     p.add_argument("--golden", type=Path, default=None, metavar="DIR",
                    help="golden directory (default golden/ for tiny, the cache for small)")
     p.add_argument("--no-timing", action="store_true", help="skip the speed measurements")
+    add_tp_options(p)
+    p.add_argument("--tp-mutant", default=None, metavar="NAME",
+                   help="with --tp: a deliberately wrong TP plan (g_proj-row-split, q_proj-neighbour-heads), to "
+                        "see a bad split caught")
     p.set_defaults(func=run)
+
+
+def add_tp_options(p) -> None:
+    """--tp / --dist / --tp-timeout (shared by run and decode; see conformance.dist)."""
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks, one process each over torch.distributed (run: the model traces)")
+    p.add_argument("--dist", choices=("gloo", "nccl"), default=None,
+                   help="collective backend for --tp (default: nccl when every rank has a GPU, else gloo)")
+    p.add_argument("--tp-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a collective may wait before the ranks give up (default 60)")
 
 
 def pick_cases(config: str, patterns):
@@ -47,6 +61,10 @@ def run(args) -> int:
     from ..goldens import MANIFEST, default_root
     from ..runner import run as run_cases
 
+    if args.tp != 1:
+        from ..dist.cli import run_tp_command
+
+        return run_tp_command(args)
     cases = pick_cases(args.config, args.cases)
     why_not = {}
     for name in args.backend or []:
