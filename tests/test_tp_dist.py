@@ -42,9 +42,13 @@ def tp_run(request, tmp_path_factory):
 def test_tp_run_passes_the_tp1_goldens(tp_run):
     tp, rc, rep = tp_run
     assert rc == 0, rep["first_failure"]
-    assert sorted(r["case"] for r in rep["results"]) == sorted(TRACES)
+    assert set(TRACES) <= {r["case"] for r in rep["results"]}
     for r in rep["results"]:
-        assert r["backend"] == f"numpy64-tp{tp}" and r["status"] == "pass"
+        assert r["backend"] == f"numpy64-tp{tp}"
+        if r["case"].startswith("trace/k3geom/") and tp == 4:   # 2 heads: no 4-way split, a skip with the reason
+            assert r["status"] == "skip" and "does not split model k3geom" in r["error"], r
+            continue
+        assert r["status"] == "pass", r["case"]
         assert len(r["tensors"]) == _golden_outputs(r["case"]), "every traced tensor of every layer and step"
 
 
@@ -284,7 +288,7 @@ def test_blame_checks_every_partial_sum_of_every_rank(mutant, want):
 
     case = next(c for c in all_cases("tiny") if c.name == TRACES[0])
     job = {"tp": 2, "config": "tiny", "golden_root": str(ROOT / "golden"), "mode": {case.name: "layerwise"},
-           "mutant": mutant}
+           "model": {case.name: "tiny"}, "prompt": {case.name: 7}, "mutant": mutant}
     outs, _ = LoopbackGroup(2).run(lambda r, comm: trace_case(job, case.name, r, _RecordingComm(comm)))[0]
     schedule_len = 6 * (1 + 7 + 6)      # steps x (embedding + 7 mixers + 6 MoE layers) of tiny
     assert sum(k.startswith("tp.partial.") for k in outs) == schedule_len
