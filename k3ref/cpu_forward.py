@@ -83,8 +83,9 @@ class K3CpuModel:
         default the one environment variable K3_EXPERT_BACKEND names (`kind_from_env`: unset = "mmap",
         zero-copy memmaps of the shards; "reader" = safetensors copies); an unknown name raises its
         ValueError. Every other tensor is read through CheckpointReader (`CheckpointWeights`).
-        Raises ValueError when the headers do not hold every tensor of `cfg` in its shape (say a config that
-        does not belong to the checkpoint); `k3conf admit DIR` lists every such problem.
+        Raises ValueError when the headers do not hold every tensor of `cfg` in its shape and dtype (say a
+        config that does not belong to the checkpoint, or BF16 bytes labelled F16); `k3conf admit DIR` lists
+        every such problem.
         """
         from pathlib import Path
 
@@ -98,9 +99,10 @@ class K3CpuModel:
         reader = CheckpointReader(path)
         for spec in inventory(cfg):
             found = reader.entries.get(spec.name)
-            require(found is not None and found.shape == spec.shape,
-                    f"checkpoint {path}: {spec.name}: expected shape {list(spec.shape)} for this config, found "
-                    f"{'no such tensor' if found is None else list(found.shape)}; run `k3conf admit {path}`")
+            require(found is not None and found.shape == spec.shape and found.dtype == spec.dtype,
+                    f"checkpoint {path}: {spec.name}: expected shape {list(spec.shape)} ({spec.dtype}) for this "
+                    f"config, found {'no such tensor' if found is None else f'{list(found.shape)} ({found.dtype})'}; "
+                    f"run `k3conf admit {path}`")
         return cls(cfg, CheckpointWeights(reader, store_kind(reader)), dtype)
 
     def layer(self, i: int) -> ModuleView:

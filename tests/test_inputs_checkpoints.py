@@ -175,6 +175,15 @@ def test_decode_refuses_bf16_labelled_f16_before_computing(ckpt, capsys):
     assert "dtype" in err and name in err and "BF16" in err and "F16" in err
 
 
+def test_loading_a_checkpoint_checks_dtypes(ckpt, tiny):
+    from k3ref.cpu_forward import K3CpuModel
+
+    name = L + "2.self_attn.kv_b_proj.weight"
+    _relabel(_shard_of(ckpt, name), name, "F16")
+    with pytest.raises(ValueError, match=rf"{name}: expected shape \[.*\] \(BF16\).*found \[.*\] \(F16\)"):
+        K3CpuModel.from_checkpoint(ckpt, tiny)
+
+
 def test_decode_refuses_f32_where_an_mxfp4_pack_belongs(ckpt, capsys):
     """Fails at load, not only when the router happens to pick that expert."""
     name = L + "1.block_sparse_moe.experts.6.w2.weight_packed"

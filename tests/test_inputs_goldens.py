@@ -66,47 +66,58 @@ def _env() -> dict:
 
 # ----- interrupted regeneration -----
 
-_KILL_AFTER_COMMITS = """
+_KILL_AT = """
 import os, signal, sys
 import conformance.goldens as g
-n, sig = int(sys.argv[1]), int(sys.argv[2])
-orig, done = g.Staged.commit, [0]
-def commit(self):
-    orig(self)
-    done[0] += 1
-    if done[0] == n:
-        os.kill(os.getpid(), sig)
-g.Staged.commit = commit
+where, n, sig = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+done = [0]
+def hook(orig):
+    def call(*args):
+        if where == "build_blob":   # the n-th case's computation starts: earlier cases are staged
+            done[0] += 1
+            if done[0] == n:
+                os.kill(os.getpid(), sig)
+            return orig(*args)
+        out = orig(*args)           # the n-th file is renamed into place
+        done[0] += 1
+        if done[0] == n:
+            os.kill(os.getpid(), sig)
+        return out
+    return call
+if where == "build_blob":
+    g.build_blob = hook(g.build_blob)
+else:
+    g.Staged.commit = hook(g.Staged.commit)
 from conformance.cli import main
-sys.exit(main(sys.argv[3:]))
+sys.exit(main(sys.argv[4:]))
 """
 
 
-def _regen_accept(root: Path, sig: int, *, after_s: float | None = None, after_commits: int | None = None) -> int:
-    """`k3conf regen --accept` into root in a subprocess, sent `sig` after a delay or after N file renames."""
+def _regen_accept(root: Path, sig: int, *, after_s: float | None = None, at: tuple[str, int] | None = None) -> int:
+    """`k3conf regen --accept` into root in a subprocess, sent `sig` after a delay, or at the n-th
+    build_blob (a case's computation) or Staged.commit (a file's rename) call."""
     argv = ["regen", "--accept", "--out", str(root), "--cases", *KILL_CASES]
-    if after_commits is None:
+    if at is None:
         cmd = [sys.executable, "-m", "conformance", *argv]
     else:
-        cmd = [sys.executable, "-c", _KILL_AFTER_COMMITS, str(after_commits), str(int(sig)), *argv]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cmd = [sys.executable, "-c", _KILL_AT, at[0], str(at[1]), str(int(sig)), *argv]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if after_s is not None:
         time.sleep(after_s)
         proc.send_signal(sig)
-    rc = proc.wait(timeout=60)
-    sys.stderr.write(proc.stderr.read().decode()[-800:])
-    return rc
+    return proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("sig, after_s, after_commits", [
-    pytest.param(signal.SIGKILL, 1.2, None, id="sigkill-while-computing"),
-    pytest.param(signal.SIGKILL, None, 2, id="sigkill-between-renames"),
-    pytest.param(signal.SIGINT, 1.0, None, id="ctrl-c-while-computing"),
+@pytest.mark.parametrize("sig, after_s, at", [
+    pytest.param(signal.SIGKILL, 0.3, None, id="sigkill-while-starting"),
+    pytest.param(signal.SIGKILL, None, ("build_blob", 3), id="sigkill-while-computing"),
+    pytest.param(signal.SIGKILL, None, ("commit", 2), id="sigkill-between-renames"),
+    pytest.param(signal.SIGINT, None, ("build_blob", 2), id="ctrl-c-while-computing"),
 ])
-def test_interrupted_regen_is_consistent_or_names_what_to_rerun(root, capsys, sig, after_s, after_commits):
+def test_interrupted_regen_is_consistent_or_names_what_to_rerun(root, capsys, sig, after_s, at):
     for case in KILL_CASES:   # make every golden differ, so --accept has all of them to rewrite
         _edit(root, case, fn_meta=lambda m: {**m, "seed": "99"})
-    _regen_accept(root, sig, after_s=after_s, after_commits=after_commits)
+    _regen_accept(root, sig, after_s=after_s, at=at)
     assert goldens.leftover_temps(root) == [] and not list(root.rglob("*.tmp"))
     rc = main(["regen", "--check", "--out", str(root), "--cases", *KILL_CASES])
     out = capsys.readouterr().out
@@ -125,7 +136,7 @@ def test_ctrl_c_between_renames_still_commits_everything(root):
     """Ctrl-C is held back while the files and the manifest are renamed: all of them land, then it stops."""
     for case in KILL_CASES:
         _edit(root, case, fn_meta=lambda m: {**m, "seed": "99"})
-    assert _regen_accept(root, signal.SIGINT, after_commits=1) != 0
+    assert _regen_accept(root, signal.SIGINT, at=("commit", 1)) != 0
     for case in KILL_CASES:
         assert read_golden(root, case).meta["seed"] != "99", case
 
