@@ -25,7 +25,7 @@ def _cell(r: CaseResult) -> str:
         return "ERROR"
     w = r.worst
     if w is None:
-        return r.status
+        return "n/a" if r.error.startswith("n/a") else r.status
     if not w.passed:
         if w.comparison.problem and not w.comparison.exact:
             return "FAIL " + w.comparison.problem.split(":")[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3ref.cores import UnsupportedShape
+from k3ref.cores import CORE_NAMES, UnsupportedShape
 
 from . import gates
 from .backends import get_backend
@@ -228,6 +228,9 @@ class _Runner:
     def run_one(self, case: Case, backend) -> CaseResult:
         t0 = time.perf_counter()
         res = CaseResult(case.name, case.block, backend.name, backend.precision, "pass")
+        if not _runs_a_kernel(case, backend):
+            res.status, res.error = "skip", NOT_APPLICABLE
+            return res
         golden = self.golden(case)
         if isinstance(golden, GoldenError):
             res.status, res.error = "error", str(golden)
@@ -273,6 +276,23 @@ class _Runner:
         return res
 
 
+NOT_APPLICABLE = "n/a (reference core)"
+
+
+def _runs_a_kernel(case: Case, backend) -> bool:
+    """False when the backend names the cores it supplies (`kernel_cores()`) and the case exercises none of
+    them: its numbers would be the reference's. A core case exercises its core; a composite case any core."""
+    supplied = getattr(backend, "kernel_cores", None)
+    if supplied is None:
+        return True
+    try:
+        kernels = supplied()
+    except Exception:  # noqa: BLE001 - a backend that cannot build its cores fails in the run, with the reason
+        return True
+    spec = getattr(kind_of(case), "specs", {}).get(case.block)
+    return bool(({spec.core} if spec is not None else set(CORE_NAMES)) & kernels)
+
+
 def _rel_errors(outs: dict, golden) -> dict[str, float]:
     """tensor -> relative RMS error of a baseline's outputs. A tensor the baseline got wrong in kind (missing,
     misshaped, NaN where the golden has none) has no error to scale a bound by: it is left out, so that row
@@ -284,6 +304,12 @@ def _rel_errors(outs: dict, golden) -> dict[str, float]:
             if not c.problem and not c.exact and c.nonfinite_ok:
                 errs[t] = c.rel_rms
     return errs
+
+
+def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> _Runner:
+    """A runner with empty caches for callers that run cases one at a time (`.run_one(case, backend)`): the
+    pytest plugin, one test item per case."""
+    return _Runner(root, config, timing)
 
 
 def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
