@@ -144,10 +144,11 @@ class Backend:
 
 
 def check_cores(backend) -> None:
-    """Call every core the backend supplies on a tiny valid input made for its block, next to the reference
-    core on the same input; BackendError naming the core, what was expected and what was found when the call
-    fails, or an output differs in count, type, shape, kind of dtype, or is non-finite where the reference's
-    is finite. A core that raises UnsupportedShape on every tiny case is left to the run (it skips those)."""
+    """Call every core the backend supplies on the inputs of its block's tiny cases (made afresh, no golden
+    read; K != V and odd sizes among them), next to the reference core on the same inputs; BackendError
+    naming the core, the case, what was expected and what was found when the call fails, or an output
+    differs in count, type, shape or kind of dtype, or is non-finite where the reference's is finite.
+    Values are not judged here (the run does that); a case the core raises UnsupportedShape on is skipped."""
     from .cases import CORE_SPECS, CORE_TABLE, cast
 
     cores, base = backend.cores(), reference_cores()
@@ -170,11 +171,17 @@ def check_cores(backend) -> None:
                 continue
             except TypeError as e:
                 raise BackendError(f"{where}: the call raised TypeError: {e}; expected the signature "
-                                   f"{name}{inspect.signature(ref)} (docs/interfaces.md)") from e
+                                   f"{name}{_plain_signature(ref)} (docs/interfaces.md)") from e
             except Exception as e:
                 raise BackendError(f"{where}: the call raised {type(e).__name__}: {e}") from e
             _compare_outputs(where, got, ref(**inputs, **kwargs), spec.outputs)
-            break
+
+
+def _plain_signature(fn) -> inspect.Signature:
+    """fn's signature without annotations: `(x, w, eps)` reads better in an error than the type hints."""
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                       return_annotation=sig.empty)
 
 
 def _shapes(arrays: dict) -> str:

@@ -95,12 +95,9 @@ def _host(t) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def make_cores(base: Cores, *, dtype_name: str = "bfloat16", device: str = "cuda") -> Cores:
-    """`base` with kda_prefill = chunk_kda and kda_decode = fused_recurrent_kda (imported here)."""
-    import torch
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
-
-    dtype = getattr(torch, dtype_name)
+def fla_cores(base: Cores, chunk_kda, fused_recurrent_kda, *, dtype=None, device="cuda") -> Cores:
+    """`base` with kda_prefill calling `chunk_kda` and kda_decode calling `fused_recurrent_kda` (fla's, or
+    stand-ins with their keyword arguments: the CPU test of this mapping passes fla's naive recurrence)."""
 
     def kda_prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *, lower_bound=-5.0, scale=None):
         kw = chunk_arguments(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, lower_bound=lower_bound,
@@ -116,6 +113,14 @@ def make_cores(base: Cores, *, dtype_name: str = "bfloat16", device: str = "cuda
         return _host(o)[:, 0], _host(S)
 
     return base.replace(kda_prefill=kda_prefill, kda_decode=kda_decode)
+
+
+def make_cores(base: Cores, *, dtype_name: str = "bfloat16", device: str = "cuda") -> Cores:
+    """`base` with fla's kernels (imported here) as kda_prefill and kda_decode."""
+    import torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    return fla_cores(base, chunk_kda, fused_recurrent_kda, dtype=getattr(torch, dtype_name), device=device)
 
 
 def make_backend(precision: str = "bf16") -> Backend:
