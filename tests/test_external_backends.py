@@ -348,11 +348,11 @@ def test_fla_mapping_rejects_a_bound_outside_the_safe_gate():
 
 def _fla_naive():
     """fla's own torch reference (fla.ops.kda.naive); from its file when fla.ops cannot import (no Triton)."""
-    pytest.importorskip("torch", reason="fla's naive functions are torch")
-    pytest.importorskip("einops", reason="fla's naive functions use einops")
     spec = importlib.util.find_spec("fla")
     if spec is None:
-        pytest.skip("flash-linear-attention (fla-core) is not installed; optional: pip install fla-core")
+        pytest.skip("flash-linear-attention (fla-core) is not installed; optional: pip install fla-core einops")
+    pytest.importorskip("torch", reason="fla's naive functions are torch")
+    pytest.importorskip("einops", reason="fla's naive functions use einops (pip install einops)")
     try:
         return importlib.import_module("fla.ops.kda.naive")
     except Exception:  # noqa: BLE001 - fla.ops imports every Triton kernel; naive.py itself needs torch + einops
