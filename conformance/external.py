@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -277,9 +278,11 @@ def _import(module_part: str):
         path = Path(module_part).expanduser().resolve()
         if not path.is_file():
             raise BackendError(f"backend module file {module_part!r} not found (looked at {path})")
-        name = f"k3conf_external_{path.stem}_{abs(hash(str(path))) % 10**8}"
+        name = f"k3conf_external_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
         if name in sys.modules:
             return sys.modules[name]
+        if str(path.parent) not in sys.path:
+            sys.path.append(str(path.parent))   # as for `python file.py`: the file's neighbours import
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module          # dataclasses and pickling look their module up here

@@ -213,6 +213,22 @@ def test_load_finds_a_module_in_the_working_directory(tmp_path, monkeypatch):
     assert (b.name, b.kernel_cores()) == ("good-ext", frozenset({"rmsnorm"}))
 
 
+def test_a_backend_file_imports_its_neighbours(tmp_path, monkeypatch):
+    _write(tmp_path / "k3conf_neighbour_kernels.py", "def rmsnorm(base):\n    return lambda *a, **k: base.rmsnorm(*a, **k)\n")
+    _write(tmp_path / "k3_backend.py", """
+        from conformance import Backend
+        from k3conf_neighbour_kernels import rmsnorm
+
+        def make():
+            return Backend.from_cores("neighbour-ext", "fp32", lambda base: base.replace(rmsnorm=rmsnorm(base)))
+    """)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "k3conf_neighbour_kernels", raising=False)
+    b = external.load(f"{tmp_path}/k3_backend.py:make")
+    sys.modules.pop("k3conf_neighbour_kernels", None)
+    assert b.kernel_cores() == frozenset({"rmsnorm"})
+
+
 @pytest.mark.parametrize("value, expect", [
     pytest.param("k3conf_ep_mod:make", "built a backend named 'good-ext'; name the entry point and the backend alike",
                  id="name-mismatch"),
