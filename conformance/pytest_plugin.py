@@ -78,7 +78,9 @@ class ConformanceSession:
         from .runner import RunReport
 
         res = self.runner.run_one(case, self.backend)
-        return res, RunReport(self.runner.config, [], [res], res.seconds, {}).first_failure_line()
+        one = RunReport(config=self.runner.config, backends=[], results=[res], wall_seconds=res.seconds,
+                        copy_bandwidth={})
+        return res, one.first_failure_line()
 
     @pytest.hookimpl(tryfirst=True)   # before -k / -m deselect
     def pytest_collection_modifyitems(self, session, config, items) -> None:
