@@ -12,7 +12,8 @@ state [B, H, K, V] in fp32) and, with these options, the math:
 | beta = sigma(beta_raw)                                  | use_beta_sigmoid_in_kernel=True                   |
 | S: [B, H, K, V] fp32, new state returned                | initial_state (fp32), output_final_state=True     |
 
-`kda_prefill` calls `chunk_kda`, `kda_decode` calls `fused_recurrent_kda` on a T=1 axis. The Triton kernels
+`kda_prefill` calls `chunk_kda`, `kda_decode` calls `fused_recurrent_kda` on a T=1 axis. dt_bias is [H*K] for both:
+fused_recurrent_kda's docstring says [HV], but its kernel reads dt_bias[i_hv * K + k] (fla-core 0.6.0). The Triton kernels
 need a CUDA GPU; the backend is unavailable (with the reason) without one, without torch or without fla.
 fla's safe gate accepts -5 <= lower_bound < 0 only: another bound is an UnsupportedShape (a skipped case).
 The cores take and return numpy arrays (the runner's interface), so their host time includes the copies.
