@@ -7,8 +7,9 @@ Registered under the entry point `pytest11` (name `k3conf`), so it loads in ever
 environment where k3-conformance is installed; without `--k3conf-backend` it only adds its options (no
 import of the package's heavy modules, no items, no markers). With it, each case becomes one item whose
 id is the case name (`kda_decode/B2-H3-K16`), marked `k3conf` and with its block (`-m kda_decode`); a
-failing item shows the runner's first-failure line. Cases whose cores the backend does not supply skip as
-"n/a (reference core)"; an unavailable backend skips every item with its reason.
+failing item shows the runner's first-failure line, and the session ends with the run's table. Cases whose
+cores the backend does not supply skip as "n/a (reference core)"; an unavailable backend skips every item
+with its reason.
 """
 from __future__ import annotations
 
@@ -70,17 +71,38 @@ class ConformanceSession:
             raise pytest.UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen "
                                     f"--config {cfg}" + (f" --out {root}" if golden else ""))
         self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"))
+        self.results = []             # CaseResult of every item run, for the summary table
         config.addinivalue_line("markers", "k3conf: a K3 conformance case (k3-conformance)")
         for block in dict.fromkeys(c.block for c in self.cases):
             config.addinivalue_line("markers", f"{block}: K3 conformance cases of the block {block}")
 
-    def run(self, case):
+    def report(self, results):
         from .runner import RunReport
 
+        row = {"name": self.backend.name, "precision": self.backend.precision, "available": self.ok, "reason": self.why}
+        return RunReport(config=self.runner.config, backends=[row], results=list(results),
+                         wall_seconds=sum(r.seconds for r in results), copy_bandwidth={})
+
+    def run(self, case):
         res = self.runner.run_one(case, self.backend)
-        one = RunReport(config=self.runner.config, backends=[], results=[res], wall_seconds=res.seconds,
-                        copy_bandwidth={})
-        return res, one.first_failure_line()
+        self.results.append(res)
+        return res, self.report([res]).first_failure_line()
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints."""
+        if not self.results:
+            return
+        import io
+        import shutil
+
+        from rich.console import Console
+
+        from .report import print_terminal
+
+        text = io.StringIO()
+        print_terminal(self.report(self.results), Console(file=text, width=max(100, shutil.get_terminal_size().columns)))
+        terminalreporter.section("k3conf")
+        terminalreporter.write(text.getvalue())
 
     @pytest.hookimpl(tryfirst=True)   # before -k / -m deselect
     def pytest_collection_modifyitems(self, session, config, items) -> None:

@@ -321,6 +321,8 @@ def test_plugin_runs_the_cases_as_items_named_by_case(author_repo):
     assert failed == {n for n in names if n.startswith("kda_decode/")}
     assert passed == {n for n in names if n.startswith("rmsnorm/")}
     assert "FIRST FAILURE: kda_decode/B2-H3-K16 on example-wrapped: outputs.o (block kda_decode)" in p.stdout
+    table = p.stdout[p.stdout.index(" k3conf "):]                 # the summary section: the run's table
+    assert re.search(r"kda_decode/B1-H1-K128\W+FAIL 1e-03", table) and re.search(r"rmsnorm/T1-D113\W+ok", table)
 
 
 def test_plugin_is_inert_without_its_option(author_repo):
