@@ -262,14 +262,18 @@ def test_run_stops_before_the_cases_when_a_core_is_wrong(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ the example, CLI
 
 
-@pytest.mark.parametrize("perturb, code", [pytest.param("", 0, id="wrapped"),
-                                           pytest.param("kda_decode", 1, id="kda_decode-perturbed-1e-3")])
-def test_example_backend_through_the_cli(tmp_path, perturb, code):
-    # the unperturbed run is the full command (speed measured too: it must not fail an external backend);
-    # the failing one skips the timing, which cannot turn a fail into a pass
-    timing = ["--no-timing"] if perturb else []
-    p = _run_cli("run", "--backend", f"{EXAMPLE.relative_to(REPO)}:make", "--cases", "kda_decode*", *timing,
-                 "--report", str(tmp_path), env_extra={PERTURB_ENV: perturb})
+@pytest.mark.parametrize("perturb, module_form, code", [
+    pytest.param("", False, 0, id="wrapped-file-path"),
+    pytest.param("kda_decode", True, 1, id="kda_decode-perturbed-1e-3-module-name"),
+])
+def test_example_backend_through_the_cli(tmp_path, perturb, module_form, code):
+    # the file as a path from the repository root, or as a module from its own directory
+    spec, cwd = (f"{EXAMPLE.stem}:make", EXAMPLE.parent) if module_form else (f"{EXAMPLE.relative_to(REPO)}:make", REPO)
+    # the passing run is the full command (speed measured too: that must not fail an external backend);
+    # timing cannot turn a failure into a pass, so the failing run skips it
+    timing = ["--no-timing"] if code else []
+    p = _run_cli("run", "--backend", spec, "--cases", "kda_decode*", *timing, "--report", str(tmp_path),
+                 env_extra={PERTURB_ENV: perturb}, cwd=cwd)
     assert p.returncode == code, p.stdout + p.stderr
     first = p.stdout.splitlines()[0]
     if code:
