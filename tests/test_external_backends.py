@@ -22,7 +22,7 @@ from conformance.external import BackendError, check_cores
 from conformance.goldens import COMMITTED_ROOT
 from conformance.runner import NOT_APPLICABLE, case_runner
 from k3ref.cores import UnsupportedShape, reference_cores
-from tolerances import rel_rms, tol
+from tests.tolerances import rel_rms, tol
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "wrapped_reference_backend.py"
