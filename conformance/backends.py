@@ -15,6 +15,8 @@ Registry (`k3conf list` shows availability and the reason):
 - `mutant:<name>`  numpy64 (or, for the bf16 mutants, torch-bf16) with one core replaced by a deliberately
                wrong one from MUTANTS; the mutation tests prove that the runner catches each mistake and
                names its block first.
+- entry points of the group `k3conf.backends` (installed packages, conformance.external), by name, and
+  `MODULE:ATTR` / `path/to/file.py:ATTR`: a backend defined outside the package (docs/external_backends.md).
 Add a backend with `register_backend(name, factory)` and a mutant with `register_mutant(...)`.
 
 A backend object has `name`, `precision` ("fp64" | "fp32" | "bf16"), `available() -> (bool, reason)`,
@@ -427,12 +429,17 @@ def register_backend(name: str, factory: Callable[[], object]) -> None:
 
 
 def backend_names() -> list[str]:
-    """Registered names (mutants excluded), in registry order."""
-    return list(BACKENDS)
+    """Registered names (mutants excluded), in registry order, then the installed packages' entry points."""
+    from .external import entry_points
+
+    return list(BACKENDS) + [n for n in entry_points() if n not in BACKENDS]
 
 
 def get_backend(name: str):
-    """The backend called `name` (built once per process); KeyError naming the choices when unknown."""
+    """The backend called `name` (built once per process); KeyError naming the choices when unknown,
+    conformance.external.BackendError (a ValueError) naming what is wrong when a MODULE:ATTR cannot load."""
+    from . import external
+
     if name in _CACHE:
         return _CACHE[name]
     if name.startswith("mutant:"):
@@ -445,8 +452,13 @@ def get_backend(name: str):
             backend = MutantBackend(name, get_backend(mutant.base), mutant.make)
     elif name in BACKENDS or name in ON_REQUEST:
         backend = {**ON_REQUEST, **BACKENDS}[name]()
+    elif external.is_spec(name):              # MODULE:ATTR: a backend defined outside the package
+        backend = external.load(name)
+    elif name in external.entry_points():     # an installed package's backend
+        backend = external.from_entry_point(name)
     else:
-        raise KeyError(f"unknown backend {name!r}; known: {backend_names()} or mutant:<{'|'.join(MUTANTS)}>")
+        raise KeyError(f"unknown backend {name!r}; known: {backend_names()}, mutant:<{'|'.join(MUTANTS)}> "
+                       "or MODULE:ATTR (an external backend)")
     _CACHE[name] = backend
     return backend
 

@@ -363,6 +363,12 @@ def _rel_errors(outs: dict, golden) -> dict[str, float]:
     return errs
 
 
+def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> _Runner:
+    """A runner with empty caches for callers that run cases one at a time (`.run_one(case, backend)`): the
+    pytest plugin, one test item per case."""
+    return _Runner(root, config, timing)
+
+
 def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
     """(runnable backends, availability rows for all requested, each name once); KeyError for an unknown name."""
     from .backends import backend_names

@@ -11,7 +11,9 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="run the conformance cases on the backends and gate the results",
                        description="Exit 0: all pass; 1: a failed gate or a broken golden; 2: bad usage.")
     p.add_argument("--backend", action="extend", nargs="+", metavar="B",
-                   help="backends to run (default: every available one; see `k3conf list`), e.g. numpy32 mutant:mla-scale-128")
+                   help="backends to run (default: every available one; see `k3conf list`), e.g. numpy32 "
+                        "mutant:mla-scale-128, or MODULE:ATTR / ./file.py:ATTR for a backend defined outside "
+                        "the package (docs/external_backends.md)")
     p.add_argument("--config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
     p.add_argument("--cases", action="extend", nargs="+", metavar="GLOB",
                    help="case-name globs, e.g. 'kda_*' or kda_decode (a block name selects its cases)")
@@ -58,6 +60,7 @@ def run(args) -> int:
 
     from .. import report as rep
     from ..backends import get_backend
+    from ..external import BackendError, check_cores, is_external
     from ..goldens import MANIFEST, default_root
     from ..runner import run as run_cases
 
@@ -69,9 +72,14 @@ def run(args) -> int:
     why_not = {}
     for name in args.backend or []:
         try:
-            ok, why = get_backend(name).available()
+            backend = get_backend(name)
+            ok, why = backend.available()
+            if ok and is_external(name):    # an author's cores: on a tiny input first, to name a wrong one
+                check_cores(backend)
         except KeyError as e:
             raise UsageError(e.args[0]) from None
+        except BackendError as e:
+            raise UsageError(str(e)) from None
         if not ok:
             why_not[name] = why
     if args.backend and len(why_not) == len(set(args.backend)):
