@@ -33,6 +33,37 @@ _DECODE_HEAD_BLOCK = 16      # heads per step of kda_decode_core (speed only)
 _SUB_BLOCK = 8               # rows per sub-block inside a chunk of kda_chunked (speed only; any value is exact)
 
 
+def _flush_floor(dtype) -> float:
+    """Smallest magnitude a decayed factor of `kda_chunked` keeps: 2^(minexp/2 + 13) (2^-50 in float32, 2^-498
+    in float64), so that a product of two kept factors and two unit-bounded entries above 2^-13 stays normal.
+
+    Why: on Intel x86 every multiply or add that reads or makes a subnormal float takes a microcode assist
+    ~100x slower; at the lower bound about 8% of the within-chunk decays exp(G) land in float32's subnormal
+    range. A dropped factor is below 2^-50 of the O(1) terms it is summed with (every sum holds an undecayed
+    diagonal or fresh-key term), far under float32's 2^-24 rounding: outputs are bit-identical on the
+    benchmark inputs (docs/measurements.md)."""
+    return float(np.ldexp(1.0, np.finfo(dtype).minexp // 2 + 13))
+
+
+_FLOOR = {np.dtype(t): _flush_floor(t) for t in (np.float32, np.float64)}
+_LOG_FLOOR = {t: float(np.log(f)) for t, f in _FLOOR.items()}
+
+
+def _decay(x: np.ndarray) -> np.ndarray:
+    """exp(x) for log-decays x <= 0, with factors below `_flush_floor` set to 0. The exp runs on x clamped
+    at the floor, so no subnormal is made or read on the way."""
+    log_floor = x.dtype.type(_LOG_FLOOR[x.dtype])
+    e = np.exp(np.maximum(x, log_floor))
+    e *= x >= log_floor
+    return e
+
+
+def _flush_small(a: np.ndarray) -> np.ndarray:
+    """a with entries below `_flush_floor` in magnitude set to 0, in place (a is a temporary); returns a."""
+    a *= np.abs(a) >= a.dtype.type(_FLOOR[a.dtype])
+    return a
+
+
 # ----------------------------------------------------------------------------------------------- config, state
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +310,9 @@ def _intra_chunk_scores(q, k, g, G, sub):
         to_i = np.exp(G[..., a:b, None, :] - Gr[..., None, :])        # decay r -> i: [..., sub, 1, K]
         rows = (qk[..., a:b, :, :] * to_i).reshape(lead + (2 * sub, K))
         A[..., a:b, :, :a] = (rows @ k_end).reshape(lead + (sub, 2, a))
-        k_end = np.concatenate([k_end * np.exp(Gb_end - Gr).swapaxes(-1, -2), fresh.swapaxes(-1, -2)], axis=-1)
+        k_end = np.concatenate([_flush_small(k_end * _decay(Gb_end - Gr).swapaxes(-1, -2)), fresh.swapaxes(-1, -2)],
+                               axis=-1)
+    _flush_small(A)                                                   # far pairs: decayed below the floor
     return A[..., :, 0, :], np.ascontiguousarray(A[..., :, 1, :]), k_end
 
 
@@ -298,7 +331,7 @@ def _unit_lower_inverse(M, sub):
         b = a + sub
         T[..., a:b, a:b] = Dinv[..., n, :, :]
         if a:
-            T[..., a:b, :a] = -Dinv[..., n, :, :] @ (M[..., a:b, :a] @ T[..., :a, :a])
+            T[..., a:b, :a] = _flush_small(-Dinv[..., n, :, :] @ (M[..., a:b, :a] @ T[..., :a, :a]))
     return T
 
 
@@ -356,7 +389,7 @@ def _chunk_group(q, k, v, g, beta, S, sub):
     Akk, Aqk, k_end = _intra_chunk_scores(q, k, g, G, sub)             # k_end: [n, B, H, K, C]
     M = np.eye(C, dtype=S.dtype) + beta[..., :, None] * np.tril(Akk, -1)          # I + A, unit lower triangular
     Tm = _unit_lower_inverse(M, sub) * beta[..., None, :]             # UT transform: (I + A)^-1 diag(beta)
-    eG = np.exp(G)                                                    # decay from the chunk start
+    eG = _decay(G)                                                    # decay from the chunk start
     u0 = Tm @ v                                                       # [n, B, H, C, V]
     wq = np.concatenate([Tm @ (eG * k), eG * q], axis=-2)             # [n, B, H, 2C, K]: rows w, then q_in
     decay = eG[..., -1, :, None]                                      # [n, B, H, K, 1]
