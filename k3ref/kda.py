@@ -29,7 +29,7 @@ from .ops import linear, sigmoid, silu, softplus
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
 KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
 _CHUNK_GROUP = 4             # chunks vectorised together in kda_chunked (speed only)
-_DECODE_HEAD_BLOCK = 16      # heads per step of kda_decode_core (speed only)
+_DECODE_BLOCK_BYTES = 1 << 18  # state bytes per step of kda_decode_core: a block and its temporaries stay in L2
 _SUB_BLOCK = 8               # rows per sub-block inside a chunk of kda_chunked (speed only; any value is exact)
 
 
@@ -418,8 +418,10 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     q, k: [B, H, K] (after conv + SiLU, before L2); v: [B, H, V]; g_raw: [B, H, K] (f_b_proj output);
     beta_raw: [B, H]; A_log: [H]; dt_bias: [H*K]; state: [B, H, K, V] -> (o [B, H, V], new_state [B, H, K, V]).
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound); q^ = L2(q) * scale, k^ = L2(k) (eps KDA_L2_EPS);
-    beta = sigma(beta_raw); then one step of the recurrence (written out here, a few heads at a time, so it is
-    a third form next to `kda_recurrent` and `kda_chunked`). Inputs are never mutated.
+    beta = sigma(beta_raw); then one step of the recurrence (written out here over blocks of (sequence, head)
+    rows that fit in cache, so it is a third form next to `kda_recurrent` and `kda_chunked`). The state is read
+    from memory once and written once; a NaN/Inf in it reaches o, which is scanned instead of the state.
+    Inputs are never mutated.
     """
     q, k, v, g_raw, beta_raw = (as_float(n, a) for n, a in
                                 zip(("q", "k", "v", "g_raw", "beta_raw"), (q, k, v, g_raw, beta_raw)))
@@ -427,27 +429,33 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     V = check_shape("v", v, (B, H, None))[2]
     for name, a, shape in (("k", k, (B, H, K)), ("g_raw", g_raw, (B, H, K)), ("beta_raw", beta_raw, (B, H))):
         check_shape(name, a, shape)
-    state = as_float("state", state)
+    state = as_float("state", state, allow_nan=True)                  # scanned through o below, not here
     check_shape("state", state, (B, H, K, V))
     g, beta = _core_gates(g_raw, beta_raw, A_log, dt_bias, lower_bound)
     dt = np.result_type(q, k, v, g, beta, state)
-    q = l2norm(q.astype(dt, copy=False)) * dt.type(_scale(scale, K))
-    k, v, beta = l2norm(k.astype(dt, copy=False)), v.astype(dt, copy=False), beta.astype(dt, copy=False)
-    decay = np.exp(g.astype(dt, copy=False))
-    o = np.full((B, H, V), np.nan, dt)
-    S = np.empty((B, H, K, V), dt)                                    # every block written below (np.multiply out=)
-    outer = np.empty((B, min(H, _DECODE_HEAD_BLOCK), K, V), dt)       # scratch for k u^T, reused by every block
-    for h0 in range(0, H, _DECODE_HEAD_BLOCK):                        # heads in blocks: the temporaries stay in
-        h = slice(h0, h0 + _DECODE_HEAD_BLOCK)                        # cache, S leaves memory once, comes back once
-        nh = min(H - h0, _DECODE_HEAD_BLOCK)
-        kq = np.stack([k[:, h], q[:, h]], axis=-2) * decay[:, h, None, :]    # [B, h, 2, K]
-        kS, qS = np.moveaxis(kq @ state[:, h], -2, 0)                 # S'^T k, S'^T q with S' = diag(exp g) S
-        u = beta[:, h, None] * (v[:, h] - kS)                         # [B, h, V]
-        o[:, h] = qS + np.sum(k[:, h] * q[:, h], axis=-1)[..., None] * u      # (S' + k u^T)^T q
-        np.multiply(state[:, h], decay[:, h, :, None], out=S[:, h])   # S'
-        np.multiply(k[:, h, :, None], u[:, :, None, :], out=outer[:, :nh])
-        S[:, h] += outer[:, :nh]                                      # S' + k u^T
-    return o, S
+    BH = B * H                                                        # (sequence, head) pairs: one row each
+    q = (l2norm(q.astype(dt, copy=False)) * dt.type(_scale(scale, K))).reshape(BH, K)
+    k, v = l2norm(k.astype(dt, copy=False)).reshape(BH, K), v.astype(dt, copy=False).reshape(BH, V)
+    beta = beta.astype(dt, copy=False).reshape(BH, 1)
+    decay = np.exp(g.astype(dt, copy=False)).reshape(BH, K)
+    S0 = state.astype(dt, copy=False).reshape(BH, K, V)
+    o = np.full((BH, V), np.nan, dt)
+    S = np.empty((BH, K, V), dt)                                      # every block written below (np.multiply out=)
+    rows = max(1, min(BH, _DECODE_BLOCK_BYTES // (K * V * dt.itemsize)))
+    outer = np.empty((rows, K, V), dt)                                # scratch for k u^T, reused by every block
+    kq_all = np.stack([k, q], axis=-2) * decay[:, None, :]            # [BH, 2, K]: S'^T [k | q] = S^T (exp(g) [k | q])
+    kdotq = np.sum(k * q, axis=-1)[:, None]
+    for r0 in range(0, BH, rows):                                     # rows in blocks that fit in cache: S leaves
+        r, n = slice(r0, r0 + rows), min(rows, BH - r0)               # memory once and comes back once
+        kS, qS = np.moveaxis(kq_all[r] @ S0[r], -2, 0)               # S'^T k, S'^T q with S' = diag(exp g) S
+        u = beta[r] * (v[r] - kS)                                     # [n, V]
+        o[r] = qS + kdotq[r] * u                                      # (S' + k u^T)^T q
+        np.multiply(S0[r], decay[r, :, None], out=S[r])               # S'
+        np.multiply(k[r, :, None], u[:, None, :], out=outer[:n])
+        S[r] += outer[:n]                                             # S' + k u^T
+    if not np.all(np.isfinite(o)):                                    # o reads every S entry: a NaN/Inf in the
+        as_float("state", state)                                      # state shows here; name its first index
+    return o.reshape(B, H, V), S.reshape(B, H, K, V)
 
 
 def kda_prefill_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
