@@ -64,6 +64,16 @@ def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
 
 _SCALE_VALUES = e8m0_to_float(np.arange(256, dtype=np.uint8))  # every E8M0 byte's value, float32 [256]
 
+# two bytes read as one little-endian uint16 -> the float32 values of their four elements, each row stored as one
+# 16-byte item (complex128 is only the carrier: np.take copies items whole and never does arithmetic on them).
+# One gather per two bytes from a 1 MB table, with intp indices: 8x faster here than a per-byte take on uint8.
+_U16 = np.arange(1 << 16, dtype=np.uint32)
+_PAIR_VALUES = np.ascontiguousarray(np.concatenate([_BYTE_VALUES[_U16 & 0xFF], _BYTE_VALUES[_U16 >> 8]], axis=1))
+_PAIR_ITEMS = _PAIR_VALUES.view(np.complex128)[:, 0]
+_PAIR_ITEMS.setflags(write=False)
+del _U16
+_GEMV_BLOCK_BYTES = 1 << 19   # float32 bytes of one dequantised row block of mxfp4_gemv: stays in L2 (speed only)
+
 
 def dequantize(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """W = E2M1[codes] * 2^(e - 127) per 32-group: packed u8 [..., n/2], scale u8 [..., n/32] -> float32 [..., n].
@@ -125,8 +135,33 @@ def mxfp4_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarr
     K = x.shape[-1]
     require(K % GROUP == 0, f"x: expected a last dim K that is a multiple of {GROUP}, found {K}")
     check_shape("packed", p, (None, K // 2))
-    W = dequantize(p, scale)
-    return x @ W.astype(x.dtype, copy=False).T
+    s = _check_u8("scale", scale)
+    check_shape("scale", s, (p.shape[0], K // GROUP))
+    return _gemv_blocked(p, s, x)
+
+
+def _dequantize_rows(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`dequantize` of a row block into `out` (float32 [R, K], C-contiguous): the same exact float32 products."""
+    R, K = out.shape
+    idx = np.ascontiguousarray(p).view("<u2").astype(np.intp)        # [R, K/4]: two bytes per index
+    np.take(_PAIR_ITEMS, idx, out=out.view(np.complex128))
+    groups = out.reshape(R, K // GROUP, GROUP)
+    np.multiply(groups, np.take(_SCALE_VALUES, s)[..., None], out=groups)
+    return out
+
+
+def _gemv_blocked(p: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y = x @ dequantize(p, s).T, a block of rows at a time: the float32 matrix (8x the packed bytes) is never
+    formed whole, each block is dequantised into one buffer that stays in cache and multiplied at once."""
+    N, K = p.shape[0], 2 * p.shape[1]
+    rows = max(1, min(N, _GEMV_BLOCK_BYTES // (4 * K)))
+    buf = np.empty((rows, K), np.float32)
+    y = np.empty(x.shape[:-1] + (N,), x.dtype)
+    for r0 in range(0, N, rows):
+        n = min(rows, N - r0)
+        W = _dequantize_rows(p[r0:r0 + n], s[r0:r0 + n], buf[:n])
+        y[..., r0:r0 + n] = x @ W.astype(x.dtype, copy=False).T
+    return y
 
 
 _K3_NAME = re.compile(r"^(.*\bexperts\.\d+\.w[123])\.(weight_packed|weight_scale)$")
