@@ -140,6 +140,12 @@ def mxfp4_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarr
     return _gemv_blocked(p, s, x)
 
 
+def mxfp4_gemv_prechecked(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`mxfp4_gemv` for a caller that has checked the arguments once (a layer over all its experts): packed u8
+    [N, K/2], scale u8 [N, K/32], finite float32/float64 x [..., K]. Same result, no per-call validation."""
+    return _gemv_blocked(packed, scale, x)
+
+
 def _dequantize_rows(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`dequantize` of a row block into `out` (float32 [R, K], C-contiguous): the same exact float32 products."""
     R, K = out.shape
