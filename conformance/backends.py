@@ -113,7 +113,9 @@ class LazyBackend:
 
 def _torch(name: str) -> Callable[[], object]:
     def load():
-        importlib.import_module("torch")
+        # One intra-op thread: the runner times one core at a time, and on a small shared machine torch's
+        # OpenMP threads spin-wait for busy cores (`k3conf run` took 6.6x its quiet time under load).
+        importlib.import_module("torch").set_num_threads(1)
         mod = importlib.import_module("conformance.baselines.torch_backend")
         return mod.make_backend(name)
     return load
