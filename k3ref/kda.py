@@ -289,14 +289,14 @@ def _intra_chunk_scores(q, k, g, G, sub):
     qkb = qk.reshape(lead + (nb, sub, 2, K))
     A = np.zeros(lead + (L, 2, L), G.dtype)                          # [..., i, (k | q), j]
     diag = np.zeros(lead + (nb, sub, 2, sub), G.dtype)
+    flat = diag.reshape(lead + (nb, 2 * sub * sub))                  # entry (i, c, j) at i*2sub + c*sub + j
     kE = kb                                                           # d = 0: k_j, no decay
     for d in range(sub):                                              # pairs (i, i - d) inside every block
         if d:
             kE = step[..., d:, :] * kE[..., :-1, :]                   # k_j exp(G_i - G_j), i = j + d
-        r = np.arange(d, sub)
         x = (qkb[..., d:, :, :] @ kE[..., :, None])[..., 0]          # [..., nb, sub - d, 2]: k_i . kE, q_i . kE
-        diag[..., r, 0, r - d] = x[..., 0]
-        diag[..., r, 1, r - d] = x[..., 1]
+        for c in (0, 1):                                              # (i, c, i - d), i = d..sub-1: a strided run
+            flat[..., 2 * sub * d + c * sub::2 * sub + 1][..., :sub - d] = x[..., c]
     k_end = None                                                      # [..., K, a]: keys j < a decayed to a - 1
     for n, a in enumerate(range(0, L, sub)):
         b = a + sub
