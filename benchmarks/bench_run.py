@@ -1,0 +1,74 @@
+"""`k3conf run` (tiny) on a loaded machine against its quiet time, both measured in this run.
+
+Load: os.cpu_count() - 1 processes spinning on a core each (started and stopped here), so one core stays
+for the run; before the runner pinned torch to one thread, torch's second OpenMP thread waited on the busy
+core and the run took 6.6x its quiet time. Quiet and loaded runs alternate (best of 2 each) so that the
+other users of a shared machine weigh on both alike. Target: loaded / quiet <= 1.5.
+Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_run.py -q -s)
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conformance.speed import SpeedTargetMissed
+
+LOADED_OVER_QUIET_TARGET = 1.5
+REPEATS = 2
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+@contextlib.contextmanager
+def busy_cores(n: int):
+    """n processes spinning until the block ends (then stopped and joined)."""
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=10)
+
+
+def _k3conf_run(report_dir) -> float:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "conformance", "run", "--report", str(report_dir)],
+                          capture_output=True, text=True, timeout=900)
+    seconds = time.perf_counter() - t0
+    assert done.returncode == 0, f"k3conf run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return seconds
+
+
+@pytest.mark.xfail(raises=SpeedTargetMissed, strict=False,
+                   reason="measured 1.68 on 2026-12-02 (49.0 s / 29.3 s at load average 8.6 from other users, so "
+                          "'quiet' was not quiet); torch now runs one thread (6.6x before), the NumPy backends' "
+                          "OpenBLAS threads are not pinned by the runner")
+def test_k3conf_run_loaded_vs_quiet(benchmark, speed, tmp_path):
+    load = max(1, (os.cpu_count() or 2) - 1)
+    best = {"quiet": float("inf"), "loaded": float("inf")}
+
+    def both():
+        for _ in range(REPEATS):
+            best["quiet"] = min(best["quiet"], _k3conf_run(tmp_path / "quiet"))
+            with busy_cores(load):
+                best["loaded"] = min(best["loaded"], _k3conf_run(tmp_path / "loaded"))
+
+    benchmark.pedantic(both, rounds=1, iterations=1)
+    ratio = best["loaded"] / best["quiet"]
+    benchmark.extra_info.update(quiet_s=best["quiet"], loaded_s=best["loaded"], ratio=ratio, busy_processes=load)
+    speed.check(f"k3conf run (tiny), {load} busy core(s) / quiet", ratio, LOADED_OVER_QUIET_TARGET,
+                f"{best['loaded']:.1f} s / {best['quiet']:.1f} s")
