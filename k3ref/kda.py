@@ -29,7 +29,7 @@ from .ops import linear, sigmoid, silu, softplus
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
 KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
 _CHUNK_GROUP = 4             # chunks vectorised together in kda_chunked (speed only)
-_DECODE_BLOCK_BYTES = 1 << 18  # state bytes per step of kda_decode_core: a block and its temporaries stay in L2
+_DECODE_BLOCK_BYTES = 1 << 19  # state bytes per step of kda_decode_core: a block and its temporaries stay in L2
 _SUB_BLOCK = 8               # rows per sub-block inside a chunk of kda_chunked (speed only; any value is exact)
 
 
