@@ -351,7 +351,8 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=
     Every decay factor is over a forward span (exp(G_i - G_j) with i >= j, exp(G_i), exp(G_L - G_j); inside
     a sub-block of 8 rows, exp(G_i - G_j) is the product of the one-step decays exp(g_s), j < s <= i), never
     exp(-G) alone, so with g <= 0 every factor is <= 1 and float32 stays finite at cumulative log-decay -320
-    per chunk. See `_intra_chunk_scores`.
+    per chunk. See `_intra_chunk_scores`. Factors that decay below `_flush_floor` (2^-50 in float32) are set to
+    0, so no subnormal is made or read.
     """
     q, k, v, g, beta, S = _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
     require(isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool) and chunk_size >= 1,
