@@ -64,14 +64,12 @@ def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
 
 _SCALE_VALUES = e8m0_to_float(np.arange(256, dtype=np.uint8))  # every E8M0 byte's value, float32 [256]
 
-# two bytes read as one little-endian uint16 -> the float32 values of their four elements, each row stored as one
-# 16-byte item (complex128 is only the carrier: np.take copies items whole and never does arithmetic on them).
-# One gather per two bytes from a 1 MB table, with intp indices: 8x faster here than a per-byte take on uint8.
-_U16 = np.arange(1 << 16, dtype=np.uint32)
-_PAIR_VALUES = np.ascontiguousarray(np.concatenate([_BYTE_VALUES[_U16 & 0xFF], _BYTE_VALUES[_U16 >> 8]], axis=1))
-_PAIR_ITEMS = _PAIR_VALUES.view(np.complex128)[:, 0]
-_PAIR_ITEMS.setflags(write=False)
-del _U16
+# byte -> the float32 values of its two elements as one 8-byte integer item: np.take with intp indices copies
+# items whole (no arithmetic, so every bit pattern survives) from a 2 KB table that stays in L1; ~8x faster here
+# than `_BYTE_VALUES` indexed per byte with uint8 indices, and 2x faster than a 1 MB two-byte table once other
+# work has evicted it (as in a decode step, layer after layer).
+_BYTE_ITEMS = np.ascontiguousarray(_BYTE_VALUES).view(np.uint64)[:, 0]
+_BYTE_ITEMS.setflags(write=False)
 _GEMV_BLOCK_BYTES = 1 << 19   # float32 bytes of one dequantised row block of mxfp4_gemv: stays in L2 (speed only)
 
 
@@ -149,8 +147,7 @@ def mxfp4_gemv_prechecked(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) 
 def _dequantize_rows(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`dequantize` of a row block into `out` (float32 [R, K], C-contiguous): the same exact float32 products."""
     R, K = out.shape
-    idx = np.ascontiguousarray(p).view("<u2").astype(np.intp)        # [R, K/4]: two bytes per index
-    np.take(_PAIR_ITEMS, idx, out=out.view(np.complex128))
+    np.take(_BYTE_ITEMS, p.astype(np.intp), out=out.view(np.uint64))  # [R, K/2] items: two elements each
     groups = out.reshape(R, K // GROUP, GROUP)
     np.multiply(groups, np.take(_SCALE_VALUES, s)[..., None], out=groups)
     return out
