@@ -22,6 +22,7 @@ from .ops import linear, sigmoid
 from .situ import situ_glu_vec
 
 RENORM_EPS = 1e-20
+_BATCH_BYTES = 4 << 20   # one token's experts are dequantised together when a projection of all of them fits here
 EXPERT_PROJS = ("w1", "w2", "w3")   # w1 = gate [I, Dl], w3 = up [I, Dl], w2 = down [Dl, I]
 
 
@@ -188,6 +189,29 @@ def _run_expert(t: dict, z: np.ndarray, cfg: LatentMoeConfig, cores, gemv) -> np
     return np.asarray(gemv(*t["w2"], np.asarray(h).astype(z.dtype, copy=False))).astype(z.dtype, copy=False)
 
 
+def _one_token_experts(tensors: dict, z: np.ndarray, cfg: LatentMoeConfig, cores) -> dict[int, np.ndarray]:
+    """Every expert in `tensors` (checked) on the one row z [1, Dl] -> {e: E_e(z) [1, Dl]}, for small experts where
+    a call per matrix costs more than its bytes (a decode step of `small`: 8 experts of [128 x 512] per layer).
+    w1 and w3 of all experts are dequantised into one buffer each and multiplied at once, SiTU runs once,
+    and w2 is dequantised at once and multiplied per expert: each output element is the same dot product as in
+    `_run_expert`, in the same order."""
+    from .mxfp4 import _dequantize_rows
+
+    Dl, I, n = cfg.latent_size, cfg.moe_intermediate_size, len(tensors)
+
+    def stacked(proj: str, rows: int, cols: int) -> np.ndarray:
+        W = np.empty((n * rows, cols), np.float32)
+        for j, t in enumerate(tensors.values()):
+            _dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
+        return W.astype(z.dtype, copy=False)
+
+    gate = (z @ stacked("w1", I, Dl).T).reshape(n, I)
+    up = (z @ stacked("w3", I, Dl).T).reshape(n, I)
+    h = np.asarray(cores.situ_glu(gate, up, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)).astype(z.dtype, copy=False)
+    W2 = stacked("w2", Dl, I).reshape(n, Dl, I)
+    return {e: (h[j:j + 1] @ W2[j].T).astype(z.dtype, copy=False) for j, e in enumerate(tensors)}
+
+
 def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig, cores=None) -> np.ndarray:
     """One routed expert: E_e(z) = W2 situ_glu(W1 z, W3 z) with MXFP4 weights via `cores.mxfp4_gemv`.
 
@@ -212,11 +236,19 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     if cores is None:
         from .cores import reference_cores
         cores = reference_cores()
+    from . import mxfp4
+
     gemv = _gemv_of(cores)
     z = as_float("z", z)
     check_shape("z", z, (None, cfg.latent_size))
-    y_lat = mix_routed_experts(z, w, idx, lambda e, rows: _run_expert(_expert_tensors(weights, e, cfg), rows, cfg,
-                                                                     cores, gemv))
+    chosen = [int(e) for e in np.unique(idx)]
+    if (z.shape[0] == 1 and gemv is mxfp4.mxfp4_gemv_prechecked
+            and len(chosen) * cfg.latent_size * cfg.moe_intermediate_size * 4 <= _BATCH_BYTES):
+        outs = _one_token_experts({e: _expert_tensors(weights, e, cfg) for e in chosen}, z, cfg, cores)
+        y_lat = mix_routed_experts(z, w, idx, lambda e, rows: outs[e])
+    else:
+        y_lat = mix_routed_experts(z, w, idx, lambda e, rows: _run_expert(_expert_tensors(weights, e, cfg), rows,
+                                                                         cfg, cores, gemv))
     if not np.all(np.isfinite(y_lat)):                                # name the first expert whose output is not
         for e in np.unique(idx):                                      # finite (the checks inside were hoisted)
             tok = np.nonzero(np.any(idx == e, axis=-1))[0]

@@ -147,7 +147,9 @@ def mxfp4_gemv_prechecked(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) 
 def _dequantize_rows(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`dequantize` of a row block into `out` (float32 [R, K], C-contiguous): the same exact float32 products."""
     R, K = out.shape
-    np.take(_BYTE_ITEMS, p.astype(np.intp), out=out.view(np.uint64))  # [R, K/2] items: two elements each
+    # [R, K/2] items, two elements each. Byte indices are always < 256, so mode="wrap" changes nothing; it
+    # spares take's default mode="raise" from staging `out` in a buffer (measured 2.5x faster here).
+    np.take(_BYTE_ITEMS, p.astype(np.intp), out=out.view(np.uint64), mode="wrap")
     groups = out.reshape(R, K // GROUP, GROUP)
     np.multiply(groups, np.take(_SCALE_VALUES, s)[..., None], out=groups)
     return out

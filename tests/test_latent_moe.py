@@ -293,16 +293,18 @@ def test_mix_rejects_a_repeated_expert_in_a_row():
         lm.mix_routed_experts(z, weights, np.array([[1, 3], [3, 3]]), lambda e, rows: rows)
 
 
-def test_checked_once_experts_equal_the_swapped_core_path():
-    """The reference core's checked-once gemv gives what a swapped-in gemv (called per matrix, every call
-    checked) gives; the swapped core sees all 3 matrices of every selected expert."""
+@pytest.mark.parametrize("T", [pytest.param(1, id="T1-experts-dequantised-together"), pytest.param(4, id="T4")])
+def test_checked_once_experts_equal_the_swapped_core_path(T):
+    """The reference core's checked-once gemv (for one token: every expert's w1, w3, w2 dequantised together)
+    gives exactly what a swapped-in gemv (called per matrix, every call checked) gives; the swapped core sees
+    all 3 matrices of every selected expert."""
     from k3ref import mxfp4
     from k3ref.cores import reference_cores
 
     cfg = _cfg(num_experts=8, top_k=3)
     r = np.random.default_rng(5)
     weights = lm.random_moe_weights(cfg, r, np.float64)
-    x = r.standard_normal((4, cfg.hidden_size))
+    x = r.standard_normal((T, cfg.hidden_size))
     calls = []
 
     def gemv(packed, scale, x):
