@@ -1,7 +1,7 @@
 """Shared pieces of the speed benchmarks: the memory floor, the target check, and the closing table.
 
-`floor` is one `CopyFloor` (a 512 MB float32 np.copyto) for the whole session; each benchmark runs it in the
-same `race` as its work. `speed.check(what, ratio, target)` records the ratio and raises SpeedTargetMissed on a
+`floor` is a `CopyFloor` (a 512 MB float32 np.copyto) per benchmark file; each benchmark runs it in the same
+`race` as its work. `speed.check(what, ratio, target)` records the ratio and raises SpeedTargetMissed on a
 miss. A miss is declared with `xfail(raises=SpeedTargetMissed, strict=False, reason=...)`: any other exception
 in that benchmark (a NaN, a crash) still fails it. At the end of the session every recorded ratio is listed
 with its verdict: met, declared miss (xfailed), or MISSED (an undeclared miss: the run fails).
@@ -15,11 +15,11 @@ from conformance.speed import CopyFloor, SpeedTargetMissed, check_target
 _RECORDS: list[dict] = []
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def floor():
     f = CopyFloor()
     yield f
-    del f.src, f.dst                                                  # 1 GB: give it back before the next file
+    del f.src, f.dst                                                  # 1 GB: given back before the next file
 
 
 class _Speed:
