@@ -195,14 +195,14 @@ def _one_token_experts(tensors: dict, z: np.ndarray, cfg: LatentMoeConfig, cores
     w1 and w3 of all experts are dequantised into one buffer each and multiplied at once, SiTU runs once,
     and w2 is dequantised at once and multiplied per expert: each output element is the same dot product as in
     `_run_expert`, in the same order."""
-    from .mxfp4 import _dequantize_rows
+    from .mxfp4 import dequantize_rows
 
     Dl, I, n = cfg.latent_size, cfg.moe_intermediate_size, len(tensors)
 
     def stacked(proj: str, rows: int, cols: int) -> np.ndarray:
         W = np.empty((n * rows, cols), np.float32)
         for j, t in enumerate(tensors.values()):
-            _dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
+            dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
         return W.astype(z.dtype, copy=False)
 
     gate = (z @ stacked("w1", I, Dl).T).reshape(n, I)

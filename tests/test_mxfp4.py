@@ -213,7 +213,7 @@ def test_row_block_dequantisation_equals_dequantize(rng):
     scale[0, 0], scale[1, 2], scale[2, 1] = 255, 0, 254
     out = np.empty((5, 96), np.float32)
     with np.errstate(over="ignore"):                                  # byte 254: 6 * 2^127 is inf in both
-        got, want = mxfp4._dequantize_rows(packed, scale, out), mxfp4.dequantize(packed, scale)
+        got, want = mxfp4.dequantize_rows(packed, scale, out), mxfp4.dequantize(packed, scale)
     assert np.array_equal(got, want, equal_nan=True)
 
 
