@@ -1,8 +1,10 @@
-"""One-token decode of the `small` config on this CPU (float32): tokens/s and time over the memory floor.
+"""One-token decode of the `small` config on this CPU (float32, one BLAS thread) after a 16-token prefill:
+tokens/s and time over the memory floor.
 
 Floor = bytes a decode step must touch (every active float32 weight once: all non-expert weights but the
 embedding table, which costs one row; the selected experts' MXFP4 bytes; the KDA state read + written; the
-MLA cache rows read) / copy bandwidth measured in the same run. Target (issue 3): at most 2x the floor.
+MLA cache rows read) at the bandwidth of the shared 512 MB float32 copy (conftest `floor`), copy and decode
+steps interleaved. Target: at most 2x the floor.
 Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_decode.py -q -s)
 """
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.speed import copy_bandwidth, one_blas_thread
+from conformance.speed import SpeedTargetMissed, one_blas_thread, race
 from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
 from k3ref.weights import inventory, is_routed_expert
 
-DECODE_FLOOR_TARGET = 2.0  # issue 3: one-token decode within 2x of the memory floor
+DECODE_FLOOR_TARGET = 2.0  # one-token decode within 2x of the memory floor
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]   # 16 tokens
 
 
 def decode_bytes(model: K3CpuModel, context: int) -> int:
@@ -45,28 +48,33 @@ def small_model():
     return K3CpuModel.synthetic(K3Config.preset("small"), seed=0, dtype=np.float32)
 
 
-@pytest.mark.xfail(strict=True, reason="target not met yet: measured 3.25-3.96x the floor on 2026-12-02 "
-                   "(docs/measurements.md); strict, so meeting it fails here until this marker is removed")
-def test_small_decode_vs_memory_floor(benchmark, small_model):
-    model, prompt = small_model, [3, 1, 4, 1, 5, 9, 2, 6]
+@pytest.mark.xfail(raises=SpeedTargetMissed, strict=False,
+                   reason="measured 4.4-6.0x the floor on 2026-12-02: ~2000 NumPy calls per token (argument checks and "
+                          "casts in every block, three MXFP4 dequantisations per layer) and float32 GEMVs that "
+                          "run below copy bandwidth; docs/measurements.md")
+def test_small_decode_vs_memory_floor(benchmark, speed, floor, small_model):
+    model = small_model
     cache = model.new_cache()
     seq = cache.add_sequence()
-    forward_prefill(model, prompt, cache, seq=seq)
-    forward_token(model, 7, len(prompt), cache, seq=seq)  # warm: casts every weight once
-    state = {"pos": len(prompt) + 1}
+    forward_prefill(model, PROMPT, cache, seq=seq)
+    state = {"pos": len(PROMPT)}
 
     def step():
-        forward_token(model, 7, state["pos"], cache, seq=seq)
+        logits = forward_token(model, 7, state["pos"], cache, seq=seq)
         state["pos"] += 1
+        return logits
 
     with one_blas_thread() as blas:
-        benchmark.pedantic(step, rounds=8, iterations=1)
-        bw = copy_bandwidth()
-    t = benchmark.stats.stats.median
-    floor = decode_bytes(model, state["pos"]) / bw
-    ratio = t / floor
-    benchmark.extra_info.update(tokens_per_s=1 / t, floor_s=floor, ratio_to_floor=ratio, copy_gb_s=bw / 1e9)
-    print(f"\n{blas}; small decode: {1 / t:.2f} tok/s, {t * 1e3:.1f} ms/token, floor {floor * 1e3:.1f} ms "
-          f"({decode_bytes(model, state['pos']) / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s), ratio {ratio:.2f}x "
-          f"(target <= {DECODE_FLOOR_TARGET}x)")
-    assert ratio <= DECODE_FLOOR_TARGET, f"small decode at {ratio:.2f}x the memory floor (target {DECODE_FLOOR_TARGET}x)"
+        best = race({"copy": floor, "decode": step}, inner={"decode": 2})   # warm-up round casts every weight once
+        logits = benchmark.pedantic(step, rounds=3, iterations=1)
+    assert np.all(np.isfinite(logits)), "decode returned NaN/Inf logits"
+    nbytes = decode_bytes(model, state["pos"])
+    floor_s = floor.seconds_for(nbytes, best["copy"])
+    ratio = best["decode"] / floor_s
+    bw = floor.bandwidth(best["copy"])
+    benchmark.extra_info.update(tokens_per_s=1 / best["decode"], floor_s=floor_s, ratio_to_floor=ratio,
+                                copy_gb_s=bw / 1e9)
+    print(f"\n{blas}; small decode: {1 / best['decode']:.2f} tok/s, {best['decode'] * 1e3:.1f} ms/token, floor "
+          f"{floor_s * 1e3:.1f} ms ({nbytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s), ratio {ratio:.2f}x")
+    speed.check("small (0.40B) decode, 1 token after 16 / floor", ratio, DECODE_FLOOR_TARGET,
+                f"{best['decode'] * 1e3:.1f} ms vs {floor_s * 1e3:.1f} ms = {nbytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s")

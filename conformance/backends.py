@@ -141,10 +141,13 @@ class LazyBackend:
 def _torch(name: str) -> Callable[[], object]:
     def load():
         try:
-            importlib.import_module("torch")
+            torch = importlib.import_module("torch")
         except ImportError as e:
             raise ImportError(f"PyTorch is not installed ({e}); pip install 'k3-conformance[torch]' "
                               "(or `make setup`, which installs the CPU build)") from None
+        # One intra-op thread: the runner times one core at a time, and on a small shared machine torch's
+        # OpenMP threads spin-wait for busy cores (`k3conf run` took 6.6x its quiet time under load).
+        torch.set_num_threads(1)
         mod = importlib.import_module("conformance.baselines.torch_backend")
         return mod.make_backend(name)
     return load

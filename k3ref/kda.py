@@ -29,8 +29,39 @@ from .ops import linear, sigmoid, silu, softplus
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
 KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
 _CHUNK_GROUP = 4             # chunks vectorised together in kda_chunked (speed only)
-_DECODE_HEAD_BLOCK = 16      # heads per step of kda_decode_core (speed only)
+_DECODE_BLOCK_BYTES = 1 << 19  # state bytes per step of kda_decode_core: a block and its temporaries stay in L2
 _SUB_BLOCK = 8               # rows per sub-block inside a chunk of kda_chunked (speed only; any value is exact)
+
+
+def _flush_floor(dtype) -> float:
+    """Smallest magnitude a decayed factor of `kda_chunked` keeps: 2^(minexp/2 + 13) (2^-50 in float32, 2^-498
+    in float64), so that a product of two kept factors and two unit-bounded entries above 2^-13 stays normal.
+
+    Why: on Intel x86 every multiply or add that reads or makes a subnormal float takes a microcode assist
+    ~100x slower; at the lower bound about 8% of the within-chunk decays exp(G) land in float32's subnormal
+    range. A dropped factor is below 2^-50 of the O(1) terms it is summed with (every sum holds an undecayed
+    diagonal or fresh-key term), far under float32's 2^-24 rounding: outputs are bit-identical on the
+    benchmark inputs (docs/measurements.md)."""
+    return float(np.ldexp(1.0, np.finfo(dtype).minexp // 2 + 13))
+
+
+_FLOOR = {np.dtype(t): _flush_floor(t) for t in (np.float32, np.float64)}
+_LOG_FLOOR = {t: float(np.log(f)) for t, f in _FLOOR.items()}
+
+
+def _decay(x: np.ndarray) -> np.ndarray:
+    """exp(x) for log-decays x <= 0, with factors below `_flush_floor` set to 0. The exp runs on x clamped
+    at the floor, so no subnormal is made or read on the way."""
+    log_floor = x.dtype.type(_LOG_FLOOR[x.dtype])
+    e = np.exp(np.maximum(x, log_floor))
+    e *= x >= log_floor
+    return e
+
+
+def _flush_small(a: np.ndarray) -> np.ndarray:
+    """a with entries below `_flush_floor` in magnitude set to 0, in place (a is a temporary); returns a."""
+    a *= np.abs(a) >= a.dtype.type(_FLOOR[a.dtype])
+    return a
 
 
 # ----------------------------------------------------------------------------------------------- config, state
@@ -258,14 +289,14 @@ def _intra_chunk_scores(q, k, g, G, sub):
     qkb = qk.reshape(lead + (nb, sub, 2, K))
     A = np.zeros(lead + (L, 2, L), G.dtype)                          # [..., i, (k | q), j]
     diag = np.zeros(lead + (nb, sub, 2, sub), G.dtype)
+    flat = diag.reshape(lead + (nb, 2 * sub * sub))                  # entry (i, c, j) at i*2sub + c*sub + j
     kE = kb                                                           # d = 0: k_j, no decay
     for d in range(sub):                                              # pairs (i, i - d) inside every block
         if d:
             kE = step[..., d:, :] * kE[..., :-1, :]                   # k_j exp(G_i - G_j), i = j + d
-        r = np.arange(d, sub)
         x = (qkb[..., d:, :, :] @ kE[..., :, None])[..., 0]          # [..., nb, sub - d, 2]: k_i . kE, q_i . kE
-        diag[..., r, 0, r - d] = x[..., 0]
-        diag[..., r, 1, r - d] = x[..., 1]
+        for c in (0, 1):                                              # (i, c, i - d), i = d..sub-1: a strided run
+            flat[..., 2 * sub * d + c * sub::2 * sub + 1][..., :sub - d] = x[..., c]
     k_end = None                                                      # [..., K, a]: keys j < a decayed to a - 1
     for n, a in enumerate(range(0, L, sub)):
         b = a + sub
@@ -279,7 +310,9 @@ def _intra_chunk_scores(q, k, g, G, sub):
         to_i = np.exp(G[..., a:b, None, :] - Gr[..., None, :])        # decay r -> i: [..., sub, 1, K]
         rows = (qk[..., a:b, :, :] * to_i).reshape(lead + (2 * sub, K))
         A[..., a:b, :, :a] = (rows @ k_end).reshape(lead + (sub, 2, a))
-        k_end = np.concatenate([k_end * np.exp(Gb_end - Gr).swapaxes(-1, -2), fresh.swapaxes(-1, -2)], axis=-1)
+        k_end = np.concatenate([_flush_small(k_end * _decay(Gb_end - Gr).swapaxes(-1, -2)), fresh.swapaxes(-1, -2)],
+                               axis=-1)
+    _flush_small(A)                                                   # far pairs: decayed below the floor
     return A[..., :, 0, :], np.ascontiguousarray(A[..., :, 1, :]), k_end
 
 
@@ -298,7 +331,7 @@ def _unit_lower_inverse(M, sub):
         b = a + sub
         T[..., a:b, a:b] = Dinv[..., n, :, :]
         if a:
-            T[..., a:b, :a] = -Dinv[..., n, :, :] @ (M[..., a:b, :a] @ T[..., :a, :a])
+            T[..., a:b, :a] = _flush_small(-Dinv[..., n, :, :] @ (M[..., a:b, :a] @ T[..., :a, :a]))
     return T
 
 
@@ -318,7 +351,8 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=
     Every decay factor is over a forward span (exp(G_i - G_j) with i >= j, exp(G_i), exp(G_L - G_j); inside
     a sub-block of 8 rows, exp(G_i - G_j) is the product of the one-step decays exp(g_s), j < s <= i), never
     exp(-G) alone, so with g <= 0 every factor is <= 1 and float32 stays finite at cumulative log-decay -320
-    per chunk. See `_intra_chunk_scores`.
+    per chunk. See `_intra_chunk_scores`. Factors that decay below `_flush_floor` (2^-50 in float32) are set to
+    0, so no subnormal is made or read.
     """
     q, k, v, g, beta, S = _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
     require(isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool) and chunk_size >= 1,
@@ -356,7 +390,7 @@ def _chunk_group(q, k, v, g, beta, S, sub):
     Akk, Aqk, k_end = _intra_chunk_scores(q, k, g, G, sub)             # k_end: [n, B, H, K, C]
     M = np.eye(C, dtype=S.dtype) + beta[..., :, None] * np.tril(Akk, -1)          # I + A, unit lower triangular
     Tm = _unit_lower_inverse(M, sub) * beta[..., None, :]             # UT transform: (I + A)^-1 diag(beta)
-    eG = np.exp(G)                                                    # decay from the chunk start
+    eG = _decay(G)                                                    # decay from the chunk start
     u0 = Tm @ v                                                       # [n, B, H, C, V]
     wq = np.concatenate([Tm @ (eG * k), eG * q], axis=-2)             # [n, B, H, 2C, K]: rows w, then q_in
     decay = eG[..., -1, :, None]                                      # [n, B, H, K, 1]
@@ -385,8 +419,10 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     q, k: [B, H, K] (after conv + SiLU, before L2); v: [B, H, V]; g_raw: [B, H, K] (f_b_proj output);
     beta_raw: [B, H]; A_log: [H]; dt_bias: [H*K]; state: [B, H, K, V] -> (o [B, H, V], new_state [B, H, K, V]).
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound); q^ = L2(q) * scale, k^ = L2(k) (eps KDA_L2_EPS);
-    beta = sigma(beta_raw); then one step of the recurrence (written out here, a few heads at a time, so it is
-    a third form next to `kda_recurrent` and `kda_chunked`). Inputs are never mutated.
+    beta = sigma(beta_raw); then one step of the recurrence (written out here over blocks of (sequence, head)
+    rows that fit in cache, so it is a third form next to `kda_recurrent` and `kda_chunked`). The state is read
+    from memory once and written once; a NaN/Inf in it reaches o, which is scanned instead of the state.
+    Inputs are never mutated.
     """
     q, k, v, g_raw, beta_raw = (as_float(n, a) for n, a in
                                 zip(("q", "k", "v", "g_raw", "beta_raw"), (q, k, v, g_raw, beta_raw)))
@@ -394,27 +430,33 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     V = check_shape("v", v, (B, H, None))[2]
     for name, a, shape in (("k", k, (B, H, K)), ("g_raw", g_raw, (B, H, K)), ("beta_raw", beta_raw, (B, H))):
         check_shape(name, a, shape)
-    state = as_float("state", state)
+    state = as_float("state", state, allow_nan=True)                  # scanned through o below, not here
     check_shape("state", state, (B, H, K, V))
     g, beta = _core_gates(g_raw, beta_raw, A_log, dt_bias, lower_bound)
     dt = np.result_type(q, k, v, g, beta, state)
-    q = l2norm(q.astype(dt, copy=False)) * dt.type(_scale(scale, K))
-    k, v, beta = l2norm(k.astype(dt, copy=False)), v.astype(dt, copy=False), beta.astype(dt, copy=False)
-    decay = np.exp(g.astype(dt, copy=False))
-    o = np.full((B, H, V), np.nan, dt)
-    S = np.empty((B, H, K, V), dt)                                    # every block written below (np.multiply out=)
-    outer = np.empty((B, min(H, _DECODE_HEAD_BLOCK), K, V), dt)       # scratch for k u^T, reused by every block
-    for h0 in range(0, H, _DECODE_HEAD_BLOCK):                        # heads in blocks: the temporaries stay in
-        h = slice(h0, h0 + _DECODE_HEAD_BLOCK)                        # cache, S leaves memory once, comes back once
-        nh = min(H - h0, _DECODE_HEAD_BLOCK)
-        kq = np.stack([k[:, h], q[:, h]], axis=-2) * decay[:, h, None, :]    # [B, h, 2, K]
-        kS, qS = np.moveaxis(kq @ state[:, h], -2, 0)                 # S'^T k, S'^T q with S' = diag(exp g) S
-        u = beta[:, h, None] * (v[:, h] - kS)                         # [B, h, V]
-        o[:, h] = qS + np.sum(k[:, h] * q[:, h], axis=-1)[..., None] * u      # (S' + k u^T)^T q
-        np.multiply(state[:, h], decay[:, h, :, None], out=S[:, h])   # S'
-        np.multiply(k[:, h, :, None], u[:, :, None, :], out=outer[:, :nh])
-        S[:, h] += outer[:, :nh]                                      # S' + k u^T
-    return o, S
+    BH = B * H                                                        # (sequence, head) pairs: one row each
+    q = (l2norm(q.astype(dt, copy=False)) * dt.type(_scale(scale, K))).reshape(BH, K)
+    k, v = l2norm(k.astype(dt, copy=False)).reshape(BH, K), v.astype(dt, copy=False).reshape(BH, V)
+    beta = beta.astype(dt, copy=False).reshape(BH, 1)
+    decay = np.exp(g.astype(dt, copy=False)).reshape(BH, K)
+    S0 = state.astype(dt, copy=False).reshape(BH, K, V)
+    o = np.full((BH, V), np.nan, dt)
+    S = np.empty((BH, K, V), dt)                                      # every block written below (np.multiply out=)
+    rows = max(1, min(BH, _DECODE_BLOCK_BYTES // (K * V * dt.itemsize)))
+    outer = np.empty((rows, K, V), dt)                                # scratch for k u^T, reused by every block
+    kq_all = np.stack([k, q], axis=-2) * decay[:, None, :]            # [BH, 2, K]: S'^T [k | q] = S^T (exp(g) [k | q])
+    kdotq = np.sum(k * q, axis=-1)[:, None]
+    for r0 in range(0, BH, rows):                                     # rows in blocks that fit in cache: S leaves
+        r, n = slice(r0, r0 + rows), min(rows, BH - r0)               # memory once and comes back once
+        kS, qS = np.moveaxis(kq_all[r] @ S0[r], -2, 0)               # S'^T k, S'^T q with S' = diag(exp g) S
+        u = beta[r] * (v[r] - kS)                                     # [n, V]
+        o[r] = qS + kdotq[r] * u                                      # (S' + k u^T)^T q
+        np.multiply(S0[r], decay[r, :, None], out=S[r])               # S'
+        np.multiply(k[r, :, None], u[:, None, :], out=outer[:n])
+        S[r] += outer[:n]                                             # S' + k u^T
+    if not np.all(np.isfinite(o)):                                    # o reads every S entry: a NaN/Inf in the
+        as_float("state", state)                                      # state shows here; name its first index
+    return o.reshape(B, H, V), S.reshape(B, H, K, V)
 
 
 def kda_prefill_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,

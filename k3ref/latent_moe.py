@@ -22,6 +22,7 @@ from .ops import linear, sigmoid
 from .situ import situ_glu_vec
 
 RENORM_EPS = 1e-20
+_BATCH_BYTES = 4 << 20   # one token's experts are dequantised together when a projection of all of them fits here
 EXPERT_PROJS = ("w1", "w2", "w3")   # w1 = gate [I, Dl], w3 = up [I, Dl], w2 = down [Dl, I]
 
 
@@ -138,14 +139,19 @@ def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
     indices = np.asarray(indices)
     require(indices.dtype.kind in "iu", f"indices: expected an integer dtype, found {indices.dtype}")
     check_shape("indices", indices, (T, k))
+    ordered = np.sort(indices, axis=-1)
+    repeats = np.nonzero(np.any(ordered[:, 1:] == ordered[:, :-1], axis=-1))[0]
+    if len(repeats):
+        raise ValueError(f"indices: expected k distinct experts per token, found a repeat in row {int(repeats[0])}: "
+                         f"{indices[repeats[0]].tolist()}")
     y = np.zeros_like(z)
     for e in np.unique(indices):
         if experts is not None and int(e) not in experts:
             continue
-        tok, slot = np.nonzero(indices == e)
-        out = np.asarray(expert_fn(int(e), z[tok]))
+        tok, slot = np.nonzero(indices == e)                          # distinct experts: tok has no repeats, so a
+        out = np.asarray(expert_fn(int(e), z[tok]))                   # fancy-index += adds each row once (no add.at)
         check_shape(f"expert_fn({int(e)}) output", out, (len(tok), Dl))
-        np.add.at(y, tok, weights[tok, slot, None].astype(z.dtype) * out.astype(z.dtype, copy=False))
+        y[tok] += weights[tok, slot, None].astype(z.dtype) * out.astype(z.dtype, copy=False)
     return y
 
 
@@ -159,6 +165,57 @@ def _tensor(weights: Mapping, name: str, shape: tuple) -> np.ndarray:
     return a
 
 
+def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Expert e's (packed, scale) per projection, shapes and dtypes checked (once per layer call)."""
+    Dl, I = cfg.latent_size, cfg.moe_intermediate_size
+    out = {}
+    for proj, (rows, cols) in (("w1", (I, Dl)), ("w3", (I, Dl)), ("w2", (Dl, I))):
+        packed = _tensor(weights, f"experts.{e}.{proj}.weight_packed", (rows, cols // 2))
+        scale = _tensor(weights, f"experts.{e}.{proj}.weight_scale", (rows, cols // 32))
+        for name, a in (("weight_packed", packed), ("weight_scale", scale)):
+            require(a.dtype == np.uint8, f"experts.{e}.{proj}.{name}: expected dtype uint8, found {a.dtype}")
+        out[proj] = (packed, scale)
+    return out
+
+
+def _gemv_of(cores):
+    """The gemv for experts whose tensors `_expert_tensors` checked: the reference core's checked-once form when
+    `cores` has the reference core, else the swapped-in core itself (a kernel under test sees every call)."""
+    from . import mxfp4
+
+    return mxfp4.mxfp4_gemv_prechecked if cores.mxfp4_gemv is mxfp4.mxfp4_gemv else cores.mxfp4_gemv
+
+
+def _run_expert(t: dict, z: np.ndarray, cfg: LatentMoeConfig, cores, gemv) -> np.ndarray:
+    """E(z) = W2 situ_glu(W1 z, W3 z) for checked tensors `t` and a checked float z [n, Dl] -> [n, Dl]."""
+    h = cores.situ_glu(np.asarray(gemv(*t["w1"], z)), np.asarray(gemv(*t["w3"], z)), beta=cfg.situ_beta,
+                       linear_beta=cfg.linear_beta)
+    return np.asarray(gemv(*t["w2"], np.asarray(h).astype(z.dtype, copy=False))).astype(z.dtype, copy=False)
+
+
+def _one_token_experts(tensors: dict, z: np.ndarray, cfg: LatentMoeConfig, cores) -> dict[int, np.ndarray]:
+    """Every expert in `tensors` (checked) on the one row z [1, Dl] -> {e: E_e(z) [1, Dl]}, for small experts where
+    a call per matrix costs more than its bytes (a decode step of `small`: 8 experts of [128 x 512] per layer).
+    w1 and w3 of all experts are dequantised into one buffer each and multiplied at once, SiTU runs once,
+    and w2 is dequantised at once and multiplied per expert: each output element is the same dot product as in
+    `_run_expert`, in the same order."""
+    from .mxfp4 import dequantize_rows
+
+    Dl, I, n = cfg.latent_size, cfg.moe_intermediate_size, len(tensors)
+
+    def stacked(proj: str, rows: int, cols: int) -> np.ndarray:
+        W = np.empty((n * rows, cols), np.float32)
+        for j, t in enumerate(tensors.values()):
+            dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
+        return W.astype(z.dtype, copy=False)
+
+    gate = (z @ stacked("w1", I, Dl).T).reshape(n, I)
+    up = (z @ stacked("w3", I, Dl).T).reshape(n, I)
+    h = np.asarray(cores.situ_glu(gate, up, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)).astype(z.dtype, copy=False)
+    W2 = stacked("w2", Dl, I).reshape(n, Dl, I)
+    return {e: (h[j:j + 1] @ W2[j].T).astype(z.dtype, copy=False) for j, e in enumerate(tensors)}
+
+
 def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig, cores=None) -> np.ndarray:
     """One routed expert: E_e(z) = W2 situ_glu(W1 z, W3 z) with MXFP4 weights via `cores.mxfp4_gemv`.
 
@@ -168,19 +225,41 @@ def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig,
     if cores is None:
         from .cores import reference_cores
         cores = reference_cores()
-    Dl, I = cfg.latent_size, cfg.moe_intermediate_size
-    shapes = {"w1": (I, Dl), "w3": (I, Dl), "w2": (Dl, I)}
-
-    def gemv(proj, x):
-        rows, cols = shapes[proj]
-        packed = _tensor(weights, f"experts.{e}.{proj}.weight_packed", (rows, cols // 2))
-        scale = _tensor(weights, f"experts.{e}.{proj}.weight_scale", (rows, cols // 32))
-        return np.asarray(cores.mxfp4_gemv(packed, scale, x))
-
     z = as_float("z", z)
-    check_shape("z", z, (None, Dl))
-    h = cores.situ_glu(gemv("w1", z), gemv("w3", z), beta=cfg.situ_beta, linear_beta=cfg.linear_beta)
-    return gemv("w2", np.asarray(h).astype(z.dtype, copy=False)).astype(z.dtype, copy=False)
+    check_shape("z", z, (None, cfg.latent_size))
+    return _run_expert(_expert_tensors(weights, e, cfg), z, cfg, cores, _gemv_of(cores))
+
+
+def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarray, cfg: LatentMoeConfig,
+                   cores=None, experts: range | None = None) -> np.ndarray:
+    """y_lat = sum_k w_k E_idx_k(z): every selected expert of a layer in one call, inputs checked once here.
+
+    z: [T, Dl]; w: [T, k]; idx: [T, k] -> y_lat [T, Dl] (mixed by `mix_routed_experts`). The experts' tensors
+    are checked when first read; the gemvs inside run unchecked (the reference core) or through the swapped core.
+    experts: the expert ids this rank holds (expert parallelism: the others' terms are left out, the partial
+    sums all-reduced by the caller); None = all.
+    """
+    if cores is None:
+        from .cores import reference_cores
+        cores = reference_cores()
+    from . import mxfp4
+
+    gemv = _gemv_of(cores)
+    z = as_float("z", z)
+    check_shape("z", z, (None, cfg.latent_size))
+    chosen = [int(e) for e in np.unique(idx) if experts is None or int(e) in experts]
+    if (z.shape[0] == 1 and gemv is mxfp4.mxfp4_gemv_prechecked
+            and len(chosen) * cfg.latent_size * cfg.moe_intermediate_size * 4 <= _BATCH_BYTES):
+        outs = _one_token_experts({e: _expert_tensors(weights, e, cfg) for e in chosen}, z, cfg, cores)
+        y_lat = mix_routed_experts(z, w, idx, lambda e, rows: outs[e], experts)
+    else:
+        y_lat = mix_routed_experts(z, w, idx, lambda e, rows: _run_expert(_expert_tensors(weights, e, cfg), rows,
+                                                                         cfg, cores, gemv), experts)
+    if not np.all(np.isfinite(y_lat)):                                # name the first expert whose output is not
+        for e in chosen:                                              # finite (the checks inside were hoisted)
+            tok = np.nonzero(np.any(idx == e, axis=-1))[0]
+            as_float(f"routed expert {e} output", routed_expert(weights, e, z[tok], cfg, cores))
+    return y_lat
 
 
 def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, cores=None,
@@ -203,8 +282,7 @@ def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, co
     w, idx = cores.moe_route(logits, bias, cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
                              renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor)
     z = linear(x, _tensor(weights, "routed_expert_down_proj.weight", (Dl, D)))
-    y_lat = mix_routed_experts(z, np.asarray(w), np.asarray(idx),
-                               lambda e, rows: routed_expert(weights, e, rows, cfg, cores), experts)
+    y_lat = routed_experts(weights, z, np.asarray(w), np.asarray(idx), cfg, cores, experts)
     if all_reduce is not None:
         y_lat = all_reduce(y_lat)
     if cfg.use_norm:

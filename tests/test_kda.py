@@ -163,10 +163,12 @@ def test_zero_state_zero_values_stay_zero(rng):
 
 
 @pytest.mark.parametrize("lower_bound", [pytest.param(-5.0, id="lb5"), pytest.param(None, id="softplus")])
-def test_prefill_core_equals_decode_core_steps(lower_bound, rng):
-    """The two cores over 70 tokens and 19 heads (more than one head block of the decode core)."""
+def test_prefill_core_equals_decode_core_steps(lower_bound, rng, monkeypatch):
+    """The two cores over 70 tokens and 19 heads (blocks of 5 (sequence, head) rows in the decode core, the last
+    one short)."""
     B, T, H, K, V = 2, 70, 19, 8, 6
-    assert H > kda._DECODE_HEAD_BLOCK and H % kda._DECODE_HEAD_BLOCK
+    monkeypatch.setattr(kda, "_DECODE_BLOCK_BYTES", 5 * K * V * 8)
+    assert (B * H) % 5
     q, k, g_raw = 2.0 * rng.standard_normal((3, B, T, H, K))
     v, beta_raw = rng.standard_normal((B, T, H, V)), rng.standard_normal((B, T, H))
     A_log, dt_bias = np.log(rng.uniform(1.0, 16.0, H)), rng.uniform(-1.0, 1.0, H * K)

@@ -284,3 +284,46 @@ def test_forward_rejects_bad_input(mutate, needle):
     weights, x = mutate(lm.random_moe_weights(cfg, r, np.float64), r.standard_normal((2, cfg.hidden_size)))
     with pytest.raises(ValueError, match=needle):
         lm.latent_moe_forward(weights, x, cfg)
+
+
+def test_mix_rejects_a_repeated_expert_in_a_row():
+    """The mix adds each expert's rows with a fancy-index +=, which needs distinct experts per token."""
+    z, weights = np.ones((2, 4)), np.ones((2, 2))
+    with pytest.raises(ValueError, match=r"distinct experts per token, found a repeat in row 1: \[3, 3\]"):
+        lm.mix_routed_experts(z, weights, np.array([[1, 3], [3, 3]]), lambda e, rows: rows)
+
+
+@pytest.mark.parametrize("T", [pytest.param(1, id="T1-experts-dequantised-together"), pytest.param(4, id="T4")])
+def test_checked_once_experts_equal_the_swapped_core_path(T):
+    """The reference core's checked-once gemv (for one token: every expert's w1, w3, w2 dequantised together)
+    gives exactly what a swapped-in gemv (called per matrix, every call checked) gives; the swapped core sees
+    all 3 matrices of every selected expert."""
+    from k3ref import mxfp4
+    from k3ref.cores import reference_cores
+
+    cfg = _cfg(num_experts=8, top_k=3)
+    r = np.random.default_rng(5)
+    weights = lm.random_moe_weights(cfg, r, np.float64)
+    x = r.standard_normal((T, cfg.hidden_size))
+    calls = []
+
+    def gemv(packed, scale, x):
+        calls.append(packed.shape)
+        return mxfp4.mxfp4_gemv(packed, scale, x)
+
+    fast = lm.latent_moe_forward(weights, x, cfg)
+    swapped = lm.latent_moe_forward(weights, x, cfg, cores=reference_cores().replace(mxfp4_gemv=gemv))
+    _, idx = lm.sigmoid_topk(x @ weights["gate.weight"].T, weights["gate.e_score_correction_bias"], cfg.top_k)
+    assert len(calls) == 3 * len(np.unique(idx))
+    assert np.array_equal(fast, swapped)
+
+
+def test_a_non_finite_expert_output_is_named():
+    """A NaN scale byte (E8M0 255) in a selected expert: the layer names that expert, not a later step."""
+    cfg = _cfg(num_experts=4, top_k=4)
+    r = np.random.default_rng(6)
+    weights = lm.random_moe_weights(cfg, r, np.float64)
+    weights["experts.2.w2.weight_scale"] = weights["experts.2.w2.weight_scale"].copy()
+    weights["experts.2.w2.weight_scale"][0, 0] = 255
+    with pytest.raises(ValueError, match="routed expert 2 output: expected finite values"):
+        lm.latent_moe_forward(weights, r.standard_normal((1, cfg.hidden_size)), cfg)

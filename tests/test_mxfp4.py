@@ -205,6 +205,27 @@ def test_mxfp4_gemv_matches_loop_float64(rng, N, K, batch):
     assert rel_rms(y, _gemv_loop(packed, scale, x)) <= tol("fp64_same_math")
 
 
+def test_row_block_dequantisation_equals_dequantize(rng):
+    """The gemv's two-bytes-per-lookup table gives dequantize's exact float32 values, NaN scale (255) and the
+    subnormal scale 2^-127 (byte 0) included."""
+    packed = rng.integers(0, 256, (5, 48), dtype=np.uint8)
+    scale = rng.integers(0, 256, (5, 3), dtype=np.uint8)
+    scale[0, 0], scale[1, 2], scale[2, 1] = 255, 0, 254
+    out = np.empty((5, 96), np.float32)
+    with np.errstate(over="ignore"):                                  # byte 254: 6 * 2^127 is inf in both
+        got, want = mxfp4.dequantize_rows(packed, scale, out), mxfp4.dequantize(packed, scale)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", [pytest.param((), id="one-token"), pytest.param((3,), id="T3")])
+def test_mxfp4_gemv_in_row_blocks_matches_loop(rng, monkeypatch, batch):
+    """Blocks of 3 rows over N = 11 (the last block short) give the loop's result."""
+    monkeypatch.setattr(mxfp4, "_GEMV_BLOCK_BYTES", 3 * 64 * 4)
+    packed, scale = mxfp4.quantize(rng.standard_normal((11, 64)))
+    x = rng.standard_normal(batch + (64,))
+    assert rel_rms(mxfp4.mxfp4_gemv(packed, scale, x), _gemv_loop(packed, scale, x)) <= tol("fp64_same_math")
+
+
 @pytest.mark.parametrize("dtype", [
     pytest.param(np.float32, id="f32"), pytest.param(ml_dtypes.bfloat16, id="bf16"),
 ])

@@ -424,3 +424,14 @@ def test_attnres_hub_comes_from_base():
     marker = object()
     cores = torch_cores(base=dataclasses.replace(base, attnres_hub=lambda block_size: (marker, block_size)))
     assert cores.attnres_hub(3) == (marker, 3)
+
+
+def test_runner_backend_pins_torch_to_one_thread(monkeypatch):
+    """The runner's torch backends run torch on one intra-op thread (OpenMP threads stall on busy shared cores)."""
+    from conformance import backends
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    ok, why = backends._torch("torch")().available()                 # the loader, not the per-process cache
+    assert ok, why
+    assert calls == [1]

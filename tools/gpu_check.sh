@@ -6,10 +6,13 @@
 # 1. installs the wheels in .whl/ (built here by tools/build_pycuda_wheel.sh) into /tmp/site;
 # 2. pytest -m gpu (every kernel vs its float64 k3ref core, outputs poisoned with NaN);
 # 3. k3conf run --backend cuda (the conformance runner; skipped with a message if it does not exist yet);
-# 4. tools/gpu_bench.py (CUDA-event medians, GB/s, ratio to copy bandwidth, torch eager speedup).
+# 4. tools/gpu_bench.py (L2 flushed before every event pair, GB/s, ratio to a copy kernel timed in the same run,
+#    torch eager speedup). A target that a kernel's current version is known not to reach (its header says why;
+#    EXPECTED_MISSES in gpu_bench.py) is listed as XMISS and does not fail the check; any other miss does.
 # Logs and gpu_bench.json go to $OUT (or reports/gpu_check when $OUT is unset); a short table is printed last.
-# Every step runs even if an earlier one fails; the exit status is the first failure's (0 when all pass; 4 when
-# k3cuda.available() says no, since the GPU tests would then only skip).
+# Every step runs even if an earlier one fails; the exit status is the first failure's: 0 only when every step
+# passed (expected misses aside); 4 when k3cuda.available() says no, since the GPU tests would then only skip;
+# gpu_bench exits 1 when nothing was timed, pytest 5 when no GPU test was collected.
 # Budget: under 8 minutes in all (each step has its own timeout).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}   # rich tables stay readable in the logs
