@@ -468,8 +468,11 @@ def test_strict_mode_allows_a_missing_accelerator(monkeypatch):
     from conformance.runner import strict_missing
 
     rows = [{"name": "cuda", "available": False, "reason": "no GPU"},
-            {"name": "torch", "available": False, "reason": "PyTorch is not installed"}]
-    assert strict_missing(rows) == ["backend torch cannot run here: PyTorch is not installed"]
+            {"name": "fla", "available": False, "reason": "no GPU", "device": "cuda"},   # an external GPU backend
+            {"name": "torch", "available": False, "reason": "PyTorch is not installed"},
+            {"name": "mine", "available": False, "reason": "no libfoo", "device": "cpu"}]
+    assert strict_missing(rows) == ["backend torch cannot run here: PyTorch is not installed",
+                                    "backend mine cannot run here: no libfoo"]
 
 
 HIDE_TORCH = "import sys; sys.modules['torch'] = None; "   # `import torch` raises ImportError in this process
