@@ -32,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -70,14 +68,10 @@ class NumpyBackend:
 
     def time_core(self, core: str, inputs: dict) -> float | None:
         """Median wall time of `core(**inputs)` over `repeats` calls after one warm-up call."""
+        from .speed import median_seconds
+
         fn = getattr(self.cores(), core)
-        fn(**inputs)
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            fn(**inputs)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(lambda: fn(**inputs), self.repeats)
 
     def copy_bandwidth(self) -> float:
         return numpy_copy_bandwidth()

@@ -23,9 +23,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
-import statistics
 import sys
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from k3ref.cores import CORE_NAMES, Cores, UnsupportedShape, reference_cores
+
+from .speed import median_seconds
 
 PRECISIONS = ("fp64", "fp32", "bf16")
 ENTRY_POINT_GROUP = "k3conf.backends"
@@ -120,13 +120,7 @@ class Backend:
         if core not in self.kernel_cores():
             return None
         fn = getattr(self.cores(), core)
-        fn(**inputs)
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            fn(**inputs)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(lambda: fn(**inputs), self.repeats)
 
     def copy_bandwidth(self) -> float | None:
         """The host's copy bandwidth for a CPU backend; None elsewhere (no bandwidth ratio is claimed)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
+import statistics
 import time
 from collections.abc import Callable, Mapping
 
@@ -78,6 +79,12 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of fn() over `repeats` calls after one warm-up call (a core timed on the host)."""
+    fn()
+    return statistics.median(timed(fn) for _ in range(repeats))
 
 
 def copy_bandwidth(nbytes: int = 1 << 27, repeats: int = 5) -> float:
