@@ -324,9 +324,13 @@ class TraceKind:
         prompt_len = golden.kwargs.get("prompt", len(PROMPT))
         budgets = {c: v[0] for c, v in gates.MARGIN_BUDGETS.get(backend.precision, {}).items()}
         if hasattr(backend, "evaluate_trace"):   # a whole-model backend runs the trace by its own wiring
-            out = backend.evaluate_trace(case, golden, cfg.to_json(), prompt_len)
-            info = {"teacher_forced": {"router": 0, "argmax": 0}, "flips": [], "tensor_notes": {}}
+            # it routes its near-ties itself (given the budget) and returns the count under INFO_KEY
+            out = backend.evaluate_trace(case, golden, cfg.to_json(), prompt_len,
+                                         router_budget=budgets.get("router", 0.0))
+            routed = out.pop(INFO_KEY, {}).get("teacher_forced", {}).get("router", 0)
+            info = {"teacher_forced": {"router": routed, "argmax": 0}, "flips": [], "tensor_notes": {}}
             self._judge_tokens(golden, out, budgets.get("argmax", 0.0), info)
+            out[NOTES_KEY] = _forced_notes(backend.precision, info["teacher_forced"])
             out[INFO_KEY] = info
             return out
         p = backend.precision
@@ -344,10 +348,7 @@ class TraceKind:
         for core, (n, why) in sorted(fallbacks.items()):
             notes.append(f"{core}: k3ref's reference core ran instead on {n} of {calls[core]} call(s) "
                          f"(UnsupportedShape: {why})")
-        forced = info["teacher_forced"]
-        if forced["router"] or forced["argmax"]:
-            notes.append(f"teacher-forced near-ties (margin below the {p} budget, the golden's choice given): "
-                         f"{forced['router']} router choice(s), {forced['argmax']} greedy token(s)")
+        notes += _forced_notes(p, info["teacher_forced"])
         info["kernels_ran"] = sorted(c for c, n in calls.items() if n > fallbacks.get(c, [0])[0])
         out[NOTES_KEY] = notes
         out[INFO_KEY] = info
@@ -406,6 +407,14 @@ class TraceKind:
             cfg = K3Config.preset(golden.kwargs.get("config", _model_name(case)))
             return backend.time_trace(case, golden, cfg.to_json(), golden.kwargs.get("prompt", len(PROMPT)))
         return None  # cores are timed in their own cases
+
+
+def _forced_notes(precision: str, forced: dict) -> list[str]:
+    """The note counting a result's teacher-forced near-ties (none when nothing was forced)."""
+    if not (forced["router"] or forced["argmax"]):
+        return []
+    return [f"teacher-forced near-ties (margin below the {precision} budget, the golden's choice given): "
+            f"{forced['router']} router choice(s), {forced['argmax']} greedy token(s)"]
 
 
 def _refuse_ties(case: Case, route: dict, argmax: dict) -> None:

@@ -373,8 +373,22 @@ class K3Expert(nn.Module):
         return linear(h, self.w2.weight(self.dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class ForcedRoute:
+    """Expert choices handed to a router from outside (teacher forcing at a near-tie): the tokens where
+    `rows` [N] (bool) is True take the experts `experts` [N, k] instead of their own top-k; their routing
+    weights still come from the router's own scores."""
+
+    experts: torch.Tensor
+    rows: torch.Tensor
+
+
 class K3Router(nn.Module):
-    """Sigmoid router: scores s = sigma(W_r x) in the wide dtype; the bias only selects (DeepSeek-V3 gate)."""
+    """Sigmoid router: scores s = sigma(W_r x) in the wide dtype; the bias only selects (DeepSeek-V3 gate).
+
+    `forced` (a ForcedRoute, None by default) overrides the choice of some tokens for the next calls: a
+    reduced-precision model can flip a choice that sits within its rounding error of a tie, and a trace that
+    compares it with a float64 reference gives it the reference's choice there instead."""
 
     def __init__(self, config: K3Config, dtype: torch.dtype, device=None):
         super().__init__()
@@ -383,6 +397,14 @@ class K3Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(E, D, dtype=dtype, device=device), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=wide_dtype(dtype), device=device),
                                                     requires_grad=False)
+        self.forced: ForcedRoute | None = None
+
+    def _override(self, idx: torch.Tensor) -> torch.Tensor:
+        f = self.forced
+        if f.experts.shape != idx.shape or f.rows.shape != idx.shape[:1]:
+            raise ValueError(f"K3Router.forced: expected experts {list(idx.shape)} and rows [{idx.shape[0]}] "
+                             f"(tokens x num_experts_per_tok), found {list(f.experts.shape)} and {list(f.rows.shape)}")
+        return torch.where(f.rows.to(torch.bool)[:, None], f.experts.to(idx), idx)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k], expert ids [N, k])."""
@@ -396,6 +418,8 @@ class K3Router(nn.Module):
                 1, torch.topk(group_score, c.topk_group, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).reshape(x.shape[0], -1)
         idx = torch.topk(choice, c.num_experts_per_tok, dim=-1).indices
+        if self.forced is not None:
+            idx = self._override(idx)
         w = torch.gather(s, 1, idx)
         if c.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

@@ -7,6 +7,8 @@ layer-by-layer mode each layer is first given the golden's input state (AttnRes 
 
 - `TorchModelBackend` ("torch-model" fp32, "torch-model-bf16"): a backend that runs whole traces
   (`evaluate_trace`); it has no cores, so the per-block cases do not apply to it.
+- `RouteForcing`: at bf16 the golden's near-tie router choices are given to the model (`K3Router.forced`),
+  as the trace kind does for the core backends, and counted.
 - `verify_trace_golden`: run by the trace generator before a golden is written; float64 k3ref and the
   float64 torch model must agree on every tensor within AGREEMENT_RTOL, else TraceDisagreement names the
   first tensor (step, layer, slot) where they do not.
@@ -94,9 +96,36 @@ class GoldenFeed:
         return KdaLayerCache(*(f[n].to(getattr(old, n).dtype) for n in ("conv_q", "conv_k", "conv_v", "recurrent")))
 
 
-def run_trace(model, tokens, prompt_len: int, feed: GoldenFeed | None = None) -> dict[str, np.ndarray]:
+class RouteForcing:
+    """The golden's router choices at its near-ties: for each MoE layer and step where the golden's margin
+    (`route.<step>.<layer>.margin`, the k-th minus the (k+1)-th selection score) is below `budget`, the
+    tokens there are given the golden's experts (`route.<step>.<layer>.choice`), as the trace kind does for
+    the core backends (conformance.traces._RouterTap). `forced` counts the tokens so routed."""
+
+    def __init__(self, inter: Mapping[str, np.ndarray], budget: float):
+        self.inter, self.budget, self.forced = inter, budget, 0
+
+    def at(self, key: str, device):
+        """The ForcedRoute of layer step `key` ('step1.layer04'), or None where no margin is below the budget."""
+        from .modeling_k3 import ForcedRoute
+
+        margin = self.inter.get(f"route.{key}.margin")
+        if margin is None or self.budget <= 0:
+            return None
+        near = np.asarray(margin) < self.budget
+        if not near.any():
+            return None
+        self.forced += int(near.sum())
+        torch = _torch()
+        experts = np.asarray(self.inter[f"route.{key}.choice"]).astype(np.int64)
+        return ForcedRoute(torch.as_tensor(experts, device=device), torch.as_tensor(near, device=device))
+
+
+def run_trace(model, tokens, prompt_len: int, feed: GoldenFeed | None = None,
+              routes: RouteForcing | None = None) -> dict[str, np.ndarray]:
     """Prefill tokens[:prompt_len], then decode the rest one at a time (teacher-forced); every trace tensor
-    by name, as float64 numpy (batch axis dropped)."""
+    by name, as float64 numpy (batch axis dropped). `routes` gives the MoE layers the golden's near-tie
+    router choices."""
     from .modeling_k3 import MlaLayerCache
 
     torch = _torch()
@@ -106,7 +135,7 @@ def run_trace(model, tokens, prompt_len: int, feed: GoldenFeed | None = None) ->
     cache = model.new_cache(1)
     out: dict[str, np.ndarray] = {}
     np64 = lambda t: t.detach().to(torch.float64).cpu().numpy()  # noqa: E731
-    with torch.no_grad():
+    with torch.no_grad(), _unforced_after(model):
         for s, toks in enumerate(steps):
             ids = torch.tensor([toks], device=model.device)
             state = lm.model.embed(ids)
@@ -115,6 +144,8 @@ def run_trace(model, tokens, prompt_len: int, feed: GoldenFeed | None = None) ->
                 if feed:
                     state = feed.state(key)
                     cache.layers[i] = feed.layer_cache(key, cache.layers[i])
+                if routes is not None and hasattr(layer, "block_sparse_moe"):
+                    layer.block_sparse_moe.gate.forced = routes.at(key, model.device)
                 entry = cache.layers[i]
                 before = entry.rows.shape[1] if isinstance(entry, MlaLayerCache) else 0
                 rec: dict = {}
@@ -130,6 +161,17 @@ def run_trace(model, tokens, prompt_len: int, feed: GoldenFeed | None = None) ->
             out[f"step{s}.logits"] = np64(logits)
             out[f"step{s}.token"] = np.array([float(torch.argmax(logits))])
     return out
+
+
+@contextlib.contextmanager
+def _unforced_after(model):
+    """Every router's `forced` is None again on the way out, so the model routes by itself afterwards."""
+    try:
+        yield
+    finally:
+        for layer in model.language_model.model.layers:
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.gate.forced = None
 
 
 def _order(name: str):
@@ -255,9 +297,14 @@ class TorchModelBackend:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times), 0
 
-    def evaluate_trace(self, case, golden, config_json: Mapping, prompt_len: int) -> dict[str, np.ndarray]:
+    def evaluate_trace(self, case, golden, config_json: Mapping, prompt_len: int,
+                       router_budget: float = 0.0) -> dict[str, np.ndarray]:
         """The trace tensors of `golden` (a trace case of the config `config_json`, whose first `prompt_len`
-        tokens are the prompt) computed by the torch model at this precision."""
+        tokens are the prompt) computed by the torch model at this precision. Where the golden's router margin
+        is below `router_budget` the token is given the golden's experts (RouteForcing); the count is returned
+        as INFO_KEY: {"teacher_forced": {"router": n}}."""
+        from conformance.cases import INFO_KEY
+
         golden.require(["inputs.tokens"])
         model = build_model(config_json, golden.group("weights"), self.precision, device=self._device())
         feed = None
@@ -268,6 +315,9 @@ class TorchModelBackend:
 
                 feed.inter = {k: cast(v, "fp32" if k.endswith(".kda.recurrent") else "bf16")
                               for k, v in feed.inter.items()}
+        routes = RouteForcing(golden.group("inter"), router_budget)
         with _cpu_threads(self._device()):
-            return run_trace(model, golden.group("inputs")["tokens"], prompt_len, feed)
+            out = run_trace(model, golden.group("inputs")["tokens"], prompt_len, feed, routes)
+        out[INFO_KEY] = {"teacher_forced": {"router": routes.forced}}
+        return out
 
