@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 from k3ref.cores import require_supported
 
 from . import runtime

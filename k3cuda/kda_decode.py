@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 from k3ref.cores import require_supported
 from k3ref.kda import _check_lower_bound, _scale  # the reference core's own checks: one rule for both
 

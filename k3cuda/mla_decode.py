@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from k3ref._check import as_float, require
+from k3ref.checks import as_float, require
 from k3ref.cores import require_supported
 from k3ref.mla import check_decode_args
 

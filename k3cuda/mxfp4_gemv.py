@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget

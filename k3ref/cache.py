@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 
 _CACHE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._check import require
+from .checks import require
 from .cache import HybridCache
 from .cores import Cores, reference_cores
 from .cpu_weights import LM_HEAD, TEXT_PREFIX, ModuleView, layer_prefix

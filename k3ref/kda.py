@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .ops import linear, sigmoid, silu, softplus
 
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)

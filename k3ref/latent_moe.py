@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .ops import linear, sigmoid
 from .situ import situ_glu_vec
 

@@ -18,7 +18,7 @@ from typing import Mapping
 import numpy as np
 
 from . import ops
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .cache import MlaKv
 
 

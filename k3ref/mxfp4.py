@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 
 GROUP = 32          # elements per shared scale
 E8M0_BIAS = 127

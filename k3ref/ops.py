@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import as_float, check_shape
+from .checks import as_float, check_shape
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .ops import linear, sigmoid
 
 

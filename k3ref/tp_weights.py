@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._check import require
+from .checks import require
 from .tp import TpPlan
 from .weights import HeaderEntry, _stored_tensors, inventory
 

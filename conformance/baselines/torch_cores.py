@@ -12,7 +12,7 @@ either. Numpy in, numpy out (float64 out for float64 cores, float32 otherwise); 
   stores as bf16 activations are rounded to bf16 on the way out. TF32 (if a user enables it on CUDA) keeps
   bf16 operands exact, but would degrade the float32 cores: leave torch.backends.cuda.matmul.allow_tf32 off.
 
-Each core is a `TorchCore`: `prepare(*args, **kwargs)` validates the numpy inputs (k3ref._check) and
+Each core is a `TorchCore`: `prepare(*args, **kwargs)` validates the numpy inputs (k3ref.checks) and
 moves them to the device once, `compute(**prepared)` is the pure torch math (what the backend times), and
 calling the core does both and returns numpy. Private keyword knobs (`_l2_eps`, `_bias_in_weights`,
 `_high_nibble_first`) exist only to build deliberately wrong cores for the mutation tests.
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 
 KDA_L2_EPS = 1e-6          # DESIGN.md: eps inside the sqrt of the q/k L2 norm
 KDA_CHUNK = 64             # chunk length of the WY/UT prefill form
