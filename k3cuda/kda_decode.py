@@ -10,7 +10,7 @@ import numpy as np
 
 from k3ref.checks import as_float, check_shape, require
 from k3ref.cores import require_supported
-from k3ref.kda import _check_lower_bound, _scale  # the reference core's own checks: one rule for both
+from k3ref.kda import check_lower_bound, query_scale  # the reference core's own checks: one rule for both
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -73,8 +73,8 @@ def device_launch(inputs: dict, entry: str | None = None) -> runtime.Launch:
     """
     arrays, B, H = _check_inputs(*(inputs[n] for n in ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias",
                                                         "state")))
-    lower_bound = _check_lower_bound("lower_bound", inputs.get("lower_bound", -5.0))
-    sc = _scale(inputs.get("scale"), HEAD_DIM)
+    lower_bound = check_lower_bound("lower_bound", inputs.get("lower_bound", -5.0))
+    sc = query_scale(inputs.get("scale"), HEAD_DIM)
     lb = float("nan") if lower_bound is None else lower_bound   # NaN selects the softplus gate in the kernel
     names = ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias", "state")
     bufs = {n: runtime.to_device(a) for n, a in zip(names, arrays)}
