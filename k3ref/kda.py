@@ -19,12 +19,13 @@ and the step written out in `kda_decode_core` (the decode core). The layer funct
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Mapping
 
 import numpy as np
 
 from .checks import as_float, check_shape, require
-from .ops import linear, sigmoid, silu, softplus
+from .ops import linear, rmsnorm, sigmoid, silu, softplus
 
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
 KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
@@ -557,9 +558,8 @@ def _layer_cores(state, cfg, cores):
     """Check cfg and state types; the reference cores when cores is None."""
     require(isinstance(cfg, KdaConfig), f"cfg: expected a KdaConfig, found {type(cfg).__name__}")
     require(isinstance(state, KdaState), f"state: expected a KdaState, found {type(state).__name__}")
-    if cores is None:
-        from .cores import reference_cores                            # lazy: cores imports this module
-        cores = reference_cores()
+    if cores is None:                        # this module's own steps: the registry k3ref.cores imports this module
+        return types.SimpleNamespace(rmsnorm=rmsnorm, kda_prefill=kda_prefill_core, kda_decode=kda_decode_core)
     return cores
 
 
