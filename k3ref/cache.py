@@ -260,16 +260,25 @@ class HybridCache:
     # Memory accounting (DESIGN.md: 576 values per token per MLA layer; fp32 KDA state per sequence).
     def mla_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Latent-cache bytes per token over all MLA layers (K3, bf16: 24 x 1152)."""
-        return len(self.mla_layers) * self._mla_cfg.cache_width * dtype_bytes
+        return mla_cache_bytes_per_token(self.cfg, dtype_bytes)
 
     def kda_bytes_per_sequence(self, state_bytes: int = 4) -> int:
         """KDA bytes per sequence over all KDA layers: recurrent [H, K, V] + conv buffers [3 H K, W-1]."""
-        return len(self.kda_layers) * kda_state_bytes(self._kda_cfg, state_bytes)
+        return kda_state_bytes_per_sequence(self.cfg, state_bytes=state_bytes)
 
 
-def kda_state_bytes(kda_cfg, state_bytes: int = 4) -> int:
-    """Bytes of one KDA layer's state for one sequence."""
-    H, K = kda_cfg.num_heads, kda_cfg.head_dim
-    recurrent = H * K * K * state_bytes
-    conv = 3 * H * K * (kda_cfg.conv_size - 1) * state_bytes
-    return recurrent + conv
+# The one owner of the cache byte counts: HybridCache reports them for a whole model, k3ref.tp.TpPlan per rank.
+def mla_cache_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
+    """Latent-cache bytes per token over all MLA layers: kv_lora_rank + qk_rope_head_dim values each
+    (K3: 512 + 64 = 576; bf16: 24 x 1152). The latent cache is replicated, so this is also the per-rank count."""
+    return len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+
+
+def kda_state_bytes_per_sequence(cfg, tp: int = 1, state_bytes: int = 4, conv_bytes: int | None = None) -> int:
+    """KDA state per sequence over all KDA layers, per tensor-parallel rank (tp=1: the whole model): recurrent
+    S [H/tp, K, V] plus the q/k/v conv buffers [3, H/tp * K, W - 1]; conv_bytes defaults to state_bytes."""
+    h, K = cfg.kda_num_heads // tp, cfg.kda_head_dim
+    conv_bytes = state_bytes if conv_bytes is None else conv_bytes
+    recurrent = h * K * K * state_bytes
+    conv = 3 * h * K * (cfg.short_conv_kernel_size - 1) * conv_bytes
+    return len(cfg.kda_layers) * (recurrent + conv)
