@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from k3ref.cache import paged_latent_cache
 from k3ref.checks import as_float, require
 from k3ref.cores import require_supported
 from k3ref.mla import check_decode_args
@@ -264,20 +265,8 @@ def make_inputs(rng: np.random.Generator, seq_lens, H: int, *, R: int = MAX_R, P
     """
     lens = np.asarray(seq_lens, np.int32)
     B, W = lens.size, R + P
-    max_pages = int(-(-lens.max() // page))
-    n_used = [int(-(-L // page)) for L in lens]
-    N = sum(n_used) + spare_pages
-    perm = rng.permutation(N).astype(np.int32)
-    table = np.zeros((B, max_pages), np.int32)
-    pages = np.full((N, page, W), np.nan, np.float32)
-    at = 0
-    for b, (L, n) in enumerate(zip(lens, n_used)):
-        ids = perm[at: at + n]
-        at += n
-        table[b, :n] = ids
-        rows = rng.standard_normal((n * page, W), dtype=np.float32)
-        rows[L:] = np.nan
-        pages[ids] = rows.reshape(n, page, W)
+    cache, table = paged_latent_cache(rng, lens, W, page, spare_pages=spare_pages, spare_columns=0)
+    pages = cache.astype(np.float32)
     if cache_dtype == "bfloat16":
         import ml_dtypes
 

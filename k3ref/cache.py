@@ -175,6 +175,30 @@ class MlaKv:
                 f"dtype={self.dtype.name}, sequences={dict(self._lens)}, free_pages={len(self._free)})")
 
 
+def paged_latent_cache(rng: np.random.Generator, seq_lens, width: int, page: int, *, spare_pages: int = 1,
+                       spare_columns: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Random inputs for the `mla_decode` core's paged cache, laid out to catch a wrong read: each sequence's pages
+    in a shuffled order over a pool with `spare_pages` unused pages; the unused pages and the slots past each
+    sequence's length hold NaN, so reading any of them shows in the output.
+
+    Draws rng.permutation(N) then N(0, 1) rows [N, page, width] (in this order: goldens depend on it).
+    Returns (kv_cache float64 [N, page, width], block_table int32 [B, max_pages + spare_columns]); the spare
+    columns point at a NaN page.
+    """
+    n_pages = [-(-int(L) // page) for L in seq_lens]
+    N = sum(n_pages) + spare_pages
+    order = rng.permutation(N)
+    cache = rng.standard_normal((N, page, width))
+    cache[order[sum(n_pages):]] = np.nan
+    table = np.full((len(n_pages), max(n_pages) + spare_columns), int(order[-1]), dtype=np.int32)
+    nxt = 0
+    for b, (L, n) in enumerate(zip(seq_lens, n_pages)):
+        table[b, :n] = order[nxt:nxt + n]
+        cache[table[b, n - 1], int(L) - (n - 1) * page:] = np.nan
+        nxt += n
+    return cache, table
+
+
 class HybridCache:
     """The decode caches of a whole K3 model for several sequences.
 
