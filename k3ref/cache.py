@@ -272,15 +272,6 @@ class HybridCache:
             require(got == new_len, f"MLA layer {layer} holds {got} tokens of sequence {seq}, expected {new_len}")
         self.lengths[seq] = new_len
 
-    def copy(self) -> "HybridCache":
-        """A deep copy (pages, page tables and KDA states)."""
-        new = object.__new__(HybridCache)
-        new.__dict__.update(self.__dict__)
-        new.mla = {i: kv.copy() for i, kv in self.mla.items()}
-        new.kda = {key: st.copy() for key, st in self.kda.items()}
-        new.lengths = dict(self.lengths)
-        return new
-
     # Memory accounting (DESIGN.md: 576 values per token per MLA layer; fp32 KDA state per sequence).
     def mla_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Latent-cache bytes per token over all MLA layers (K3, bf16: 24 x 1152)."""
