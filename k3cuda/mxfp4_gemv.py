@@ -16,9 +16,9 @@ from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register
 
 GROUP = 32                   # elements per E8M0 scale (one 16-byte load of packed codes)
 THREADS, MIN_BLOCKS = 256, 3
-ROWS_PER_WARP = 2            # MX_RPW
+ROWS_PER_WARP = 2            # MX_ROWS_PER_WARP
 ROWS_PER_BLOCK = THREADS // 32 * ROWS_PER_WARP
-VECTORS_PER_BLOCK = 4        # MX_TB: blockIdx.y walks T in steps of 4
+VECTORS_PER_BLOCK = 4        # MX_VECTORS_PER_BLOCK: blockIdx.y walks T in steps of 4
 ENTRY = "mxfp4_gemv_f32"
 ARGS = ("packed", "scale", "x", "y", "N", "K", "T")
 ARG_FORMAT = "PPPPiii"
