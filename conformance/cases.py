@@ -31,6 +31,7 @@ from typing import Protocol
 import ml_dtypes
 import numpy as np
 
+from k3ref.cache import paged_latent_cache
 from k3ref.cores import Cores, reference_cores
 
 GENERATOR_VERSION = "k3conf-cases/1"   # bump when the data or the way a golden is computed changes
@@ -358,20 +359,7 @@ def _mla_decode(rng, H, R, P, seq_lens, page=64, qk_head=192, bf16_cache=False):
     """Pages of each sequence in a shuffled order; unused slots and one spare page hold NaN (never read).
     bf16_cache: the cache holds bf16 values (K3's cache dtype), so the bf16 entry computes the same math."""
     B, W = len(seq_lens), R + P
-    n_pages = [-(-L // page) for L in seq_lens]
-    max_pages = max(n_pages) + 1                   # one unused block-table column per sequence
-    N = sum(n_pages) + 1                            # + one spare page, all NaN
-    order = rng.permutation(N)
-    spare = int(order[-1])
-    cache = rng.standard_normal((N, page, W))
-    cache[spare] = np.nan
-    table = np.full((B, max_pages), spare, dtype=np.int32)
-    nxt = 0
-    for b, (L, n) in enumerate(zip(seq_lens, n_pages)):
-        table[b, :n] = order[nxt:nxt + n]
-        last = table[b, n - 1]
-        cache[last, L - (n - 1) * page:] = np.nan  # slots past seq_len in the last page
-        nxt += n
+    cache, table = paged_latent_cache(rng, seq_lens, W, page)   # one spare page, one unused block-table column
     if bf16_cache:
         cache = cache.astype(ml_dtypes.bfloat16).astype(np.float64)
     q_abs = 3.0 * rng.standard_normal((B, H, W))   # peaked softmax: scores ~ 3 sqrt(W) / sqrt(192)

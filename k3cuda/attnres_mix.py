@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 from k3ref.cores import require_supported
 
 from . import runtime
@@ -134,26 +134,3 @@ def check_cases() -> list[CheckCase]:
         CheckCase("S2-T4-D1028-mix0", lambda rng: make_inputs(rng, 2, (4,), 1028, mix=0.0)),
         CheckCase("S3-T2-D64-eps-sized", lambda rng: make_inputs(rng, 3, (2,), 64, amplitude=3e-3)),
     ]
-
-
-def torch_eager(inputs: dict, device: str = "cuda"):
-    """The same math in PyTorch eager on the GPU (fp32).
-
-    device: "cuda" for the speed baseline; the CPU tests run the same callable on "cpu".
-    """
-    import torch
-
-    dev = torch.device(device)
-    V = torch.as_tensor(np.asarray(inputs["sources"], np.float32), device=dev)
-    D = V.shape[-1]
-    pw = torch.as_tensor(np.asarray(inputs["proj_w"], np.float32).reshape(D), device=dev)
-    nw = torch.as_tensor(np.asarray(inputs["norm_w"], np.float32), device=dev)
-    mix, eps = float(inputs.get("mix", 1.0)), float(inputs.get("eps", 1e-5))
-
-    def step():
-        k = V * torch.rsqrt((V * V).mean(-1, keepdim=True) + eps)
-        alpha = torch.softmax((k * (nw * pw)).sum(-1), dim=0)              # [S, ...]
-        mixed = (alpha.unsqueeze(-1) * V).sum(0)
-        return (1.0 - mix) * V.sum(0) + mix * mixed
-
-    return step

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 from k3ref.cores import require_supported
-from k3ref.kda import _check_lower_bound, _scale  # the reference core's own checks: one rule for both
+from k3ref.kda import check_lower_bound, query_scale  # the reference core's own checks: one rule for both
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -73,8 +73,8 @@ def device_launch(inputs: dict, entry: str | None = None) -> runtime.Launch:
     """
     arrays, B, H = _check_inputs(*(inputs[n] for n in ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias",
                                                         "state")))
-    lower_bound = _check_lower_bound("lower_bound", inputs.get("lower_bound", -5.0))
-    sc = _scale(inputs.get("scale"), HEAD_DIM)
+    lower_bound = check_lower_bound("lower_bound", inputs.get("lower_bound", -5.0))
+    sc = query_scale(inputs.get("scale"), HEAD_DIM)
     lb = float("nan") if lower_bound is None else lower_bound   # NaN selects the softplus gate in the kernel
     names = ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias", "state")
     bufs = {n: runtime.to_device(a) for n, a in zip(names, arrays)}
@@ -166,31 +166,3 @@ def check_cases() -> list[CheckCase]:
         CheckCase("B2-H7-softplus", lambda rng: make_inputs(rng, 2, 7, lower_bound=None)),
         CheckCase("B5-H67", lambda rng: make_inputs(rng, 5, 67)),  # B*H = 335: the full-width entry on an H200
     ]
-
-
-def torch_eager(inputs: dict, device: str = "cuda"):
-    """The same step in PyTorch eager on `device` (the GPU; inputs uploaded once; the state updated in place)."""
-    import torch
-
-    dev = torch.device(device)
-    t = {n: torch.tensor(np.asarray(inputs[n], np.float32), device=dev)  # a copy: the state is updated in place
-         for n in ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias", "state")}
-    B, H, K = t["q"].shape
-    lb, scale = inputs.get("lower_bound", -5.0), inputs.get("scale")
-    scale = K ** -0.5 if scale is None else float(scale)
-    A = torch.exp(t["A_log"][:H]).view(1, H, 1)
-    dtb = t["dt_bias"].view(1, H, K)
-    S = t["state"]
-
-    def step():
-        a = t["g_raw"] + dtb
-        g = -A * torch.nn.functional.softplus(a) if lb is None else lb * torch.sigmoid(A * a)
-        q = t["q"] * torch.rsqrt((t["q"] * t["q"]).sum(-1, keepdim=True) + 1e-6) * scale
-        k = t["k"] * torch.rsqrt((t["k"] * t["k"]).sum(-1, keepdim=True) + 1e-6)
-        beta = torch.sigmoid(t["beta_raw"])
-        S.mul_(torch.exp(g).unsqueeze(-1))
-        u = torch.einsum("bhkv,bhk->bhv", S, k)
-        S.add_(k.unsqueeze(-1) * (beta.unsqueeze(-1) * (t["v"] - u)).unsqueeze(-2))
-        return torch.einsum("bhkv,bhk->bhv", S, q)
-
-    return step

@@ -11,7 +11,8 @@ import math
 
 import numpy as np
 
-from k3ref._check import as_float, require
+from k3ref.cache import paged_latent_cache
+from k3ref.checks import as_float, require
 from k3ref.cores import require_supported
 from k3ref.mla import check_decode_args
 
@@ -264,20 +265,8 @@ def make_inputs(rng: np.random.Generator, seq_lens, H: int, *, R: int = MAX_R, P
     """
     lens = np.asarray(seq_lens, np.int32)
     B, W = lens.size, R + P
-    max_pages = int(-(-lens.max() // page))
-    n_used = [int(-(-L // page)) for L in lens]
-    N = sum(n_used) + spare_pages
-    perm = rng.permutation(N).astype(np.int32)
-    table = np.zeros((B, max_pages), np.int32)
-    pages = np.full((N, page, W), np.nan, np.float32)
-    at = 0
-    for b, (L, n) in enumerate(zip(lens, n_used)):
-        ids = perm[at: at + n]
-        at += n
-        table[b, :n] = ids
-        rows = rng.standard_normal((n * page, W), dtype=np.float32)
-        rows[L:] = np.nan
-        pages[ids] = rows.reshape(n, page, W)
+    cache, table = paged_latent_cache(rng, lens, W, page, spare_pages=spare_pages, spare_columns=0)
+    pages = cache.astype(np.float32)
     if cache_dtype == "bfloat16":
         import ml_dtypes
 
@@ -316,34 +305,3 @@ def check_cases() -> list[CheckCase]:
         CheckCase("B1-L33-H2-R16P2", lambda rng: make_inputs(rng, [33], 2, R=16, P=2)),
         CheckCase("B1-L520-H33", lambda rng: make_inputs(rng, [520], 33)),   # 3 head groups, 17 splits
     ]
-
-
-def torch_eager(inputs: dict, device: str = "cuda"):
-    """The same math in PyTorch eager on the GPU: gather the pages, fp32 scores, masked softmax, p . c.
-
-    device: "cuda" for the speed baseline; the CPU tests run the same callable on "cpu".
-    """
-    import torch
-
-    dev = torch.device(device)
-    kv = inputs["kv_cache"]
-    kv_t = (torch.from_numpy(np.ascontiguousarray(kv).view(np.int16)).view(torch.bfloat16)
-            if _is_bf16(kv) else torch.as_tensor(np.asarray(kv, np.float32))).to(dev)
-    q = torch.as_tensor(np.asarray(inputs["q_abs"], np.float32), device=dev)
-    table = torch.as_tensor(np.asarray(inputs["block_table"], np.int64), device=dev)
-    lens = torch.as_tensor(np.asarray(inputs["seq_lens"], np.int64), device=dev)
-    scale, R = float(inputs["scale"]), int(inputs["kv_rank"])
-    B, H, W = q.shape
-    page = kv_t.shape[1]
-    max_len = int(np.asarray(inputs["seq_lens"]).max())
-    n_pages = -(-max_len // page)
-    mask = torch.arange(n_pages * page, device=dev).view(1, 1, -1) >= lens.view(B, 1, 1)
-
-    def step():
-        rows = kv_t[table[:, :n_pages]].reshape(B, n_pages * page, W).float()
-        rows = torch.where(mask.view(B, -1, 1), torch.zeros((), device=dev), rows)   # unread slots may be NaN
-        s = torch.einsum("bhw,blw->bhl", q, rows) * scale
-        p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
-        return torch.einsum("bhl,blr->bhr", p, rows[..., :R])
-
-    return step

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
 
 GROUP = 32                   # elements per E8M0 scale (one 16-byte load of packed codes)
 THREADS, MIN_BLOCKS = 256, 3
-ROWS_PER_WARP = 2            # MX_RPW
+ROWS_PER_WARP = 2            # MX_ROWS_PER_WARP
 ROWS_PER_BLOCK = THREADS // 32 * ROWS_PER_WARP
-VECTORS_PER_BLOCK = 4        # MX_TB: blockIdx.y walks T in steps of 4
+VECTORS_PER_BLOCK = 4        # MX_VECTORS_PER_BLOCK: blockIdx.y walks T in steps of 4
 ENTRY = "mxfp4_gemv_f32"
 ARGS = ("packed", "scale", "x", "y", "N", "K", "T")
 ARG_FORMAT = "PPPPiii"
@@ -148,27 +148,3 @@ def check_cases() -> list[CheckCase]:
         CheckCase("N7-K64-T2-nan-scale", with_nan_scale),
         CheckCase("N9-K64-T3-subnormal-scales", with_subnormal_scales),
     ]
-
-
-def torch_eager(inputs: dict, device: str = "cuda"):
-    """The same math in PyTorch eager on the GPU: unpack nibbles, table lookup, scale, matmul in fp32.
-
-    device: "cuda" for the speed baseline; the CPU tests run the same callable on "cpu".
-    """
-    import torch
-
-    dev = torch.device(device)
-    packed = torch.as_tensor(np.asarray(inputs["packed"]), device=dev)
-    scale = torch.as_tensor(np.asarray(inputs["scale"]), device=dev)
-    x = torch.as_tensor(np.asarray(inputs["x"], np.float32), device=dev)
-    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                         device=dev)
-    N, K = packed.shape[0], packed.shape[1] * 2
-
-    def step():
-        codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, K).long()
-        s = torch.exp2(scale.float() - 127.0).masked_fill(scale == 255, float("nan"))
-        w = (table[codes].view(N, K // GROUP, GROUP) * s.unsqueeze(-1)).view(N, K)
-        return x @ w.T
-
-    return step

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -84,13 +84,3 @@ def check_cases() -> list[CheckCase]:
         CheckCase("rows203-D1536", lambda rng: make_inputs(rng, (203, 1536), 1e-6)),
         CheckCase("D1", lambda rng: make_inputs(rng, (4, 1))),
     ]
-
-
-def torch_eager(inputs: dict, device: str = "cuda"):
-    """The same RMSNorm in PyTorch eager on `device` (the GPU; inputs uploaded once)."""
-    import torch
-
-    x = torch.as_tensor(np.asarray(inputs["x"], np.float32), device=device)
-    w = torch.as_tensor(np.asarray(inputs["w"], np.float32), device=device)
-    eps = float(inputs.get("eps", 1e-5))
-    return lambda: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
 
 from . import runtime
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
@@ -96,13 +96,3 @@ def check_cases() -> list[CheckCase]:
         CheckCase("2x3-I1028", lambda rng: make_inputs(rng, (2, 3, 1028))),
         CheckCase("rows9-I64-beta2-lb7", lambda rng: {**make_inputs(rng, (9, 64)), "beta": 2.0, "linear_beta": 7.0}),
     ]
-
-
-def torch_eager(inputs: dict, device: str = "cuda"):
-    """The same nonlinearity in PyTorch eager on `device` (the GPU; inputs uploaded once)."""
-    import torch
-
-    g = torch.as_tensor(np.asarray(inputs["gate"], np.float32), device=device)
-    u = torch.as_tensor(np.asarray(inputs["up"], np.float32), device=device)
-    b, lb = float(inputs.get("beta", 4.0)), float(inputs.get("linear_beta", 25.0))
-    return lambda: b * torch.tanh(g / b) * torch.sigmoid(g) * (lb * torch.tanh(u / lb))

@@ -75,7 +75,10 @@ class EntrySpec:
             if ch != "x":
                 layout.append((off, size))
             off += size
-        assert off == struct.calcsize("@" + self.arg_format.replace("P", "Q")), "layout disagrees with struct"
+        native = struct.calcsize("@" + self.arg_format.replace("P", "Q"))
+        if off != native:
+            raise ValueError(f"{self.name}: argument format {self.arg_format!r} packs to {off} bytes here but "
+                             f"{native} bytes by the host's native struct layout; fix parse_format's sizes")
         return layout
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .ops import softmax
 
 
@@ -102,10 +102,8 @@ class AttnResHub:
     def _ar(self, proj_w, norm_w, mix, cores) -> np.ndarray:
         require(self.prefix is not None,
                 "AttnResHub: prefix is empty; call start() (or add_mixer()) before asking for a mix")
-        if cores is None:
-            from .cores import reference_cores
-            cores = reference_cores()
-        return cores.attnres_mix(np.stack(self.blocks + [self.prefix]), proj_w, norm_w, mix=mix)
+        mix_core = attnres_mix if cores is None else cores.attnres_mix
+        return mix_core(np.stack(self.blocks + [self.prefix]), proj_w, norm_w, mix=mix)
 
     def start(self, embedding: np.ndarray) -> None:
         """Reset to the token embedding(s) [..., D]: blocks = [], prefix = embedding."""

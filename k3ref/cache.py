@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 
 _CACHE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -175,6 +175,30 @@ class MlaKv:
                 f"dtype={self.dtype.name}, sequences={dict(self._lens)}, free_pages={len(self._free)})")
 
 
+def paged_latent_cache(rng: np.random.Generator, seq_lens, width: int, page: int, *, spare_pages: int = 1,
+                       spare_columns: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Random inputs for the `mla_decode` core's paged cache, laid out to catch a wrong read: each sequence's pages
+    in a shuffled order over a pool with `spare_pages` unused pages; the unused pages and the slots past each
+    sequence's length hold NaN, so reading any of them shows in the output.
+
+    Draws rng.permutation(N) then N(0, 1) rows [N, page, width] (in this order: goldens depend on it).
+    Returns (kv_cache float64 [N, page, width], block_table int32 [B, max_pages + spare_columns]); the spare
+    columns point at a NaN page.
+    """
+    n_pages = [-(-int(L) // page) for L in seq_lens]
+    N = sum(n_pages) + spare_pages
+    order = rng.permutation(N)
+    cache = rng.standard_normal((N, page, width))
+    cache[order[sum(n_pages):]] = np.nan
+    table = np.full((len(n_pages), max(n_pages) + spare_columns), int(order[-1]), dtype=np.int32)
+    nxt = 0
+    for b, (L, n) in enumerate(zip(seq_lens, n_pages)):
+        table[b, :n] = order[nxt:nxt + n]
+        cache[table[b, n - 1], int(L) - (n - 1) * page:] = np.nan
+        nxt += n
+    return cache, table
+
+
 class HybridCache:
     """The decode caches of a whole K3 model for several sequences.
 
@@ -248,28 +272,28 @@ class HybridCache:
             require(got == new_len, f"MLA layer {layer} holds {got} tokens of sequence {seq}, expected {new_len}")
         self.lengths[seq] = new_len
 
-    def copy(self) -> "HybridCache":
-        """A deep copy (pages, page tables and KDA states)."""
-        new = object.__new__(HybridCache)
-        new.__dict__.update(self.__dict__)
-        new.mla = {i: kv.copy() for i, kv in self.mla.items()}
-        new.kda = {key: st.copy() for key, st in self.kda.items()}
-        new.lengths = dict(self.lengths)
-        return new
-
     # Memory accounting (DESIGN.md: 576 values per token per MLA layer; fp32 KDA state per sequence).
     def mla_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Latent-cache bytes per token over all MLA layers (K3, bf16: 24 x 1152)."""
-        return len(self.mla_layers) * self._mla_cfg.cache_width * dtype_bytes
+        return mla_cache_bytes_per_token(self.cfg, dtype_bytes)
 
     def kda_bytes_per_sequence(self, state_bytes: int = 4) -> int:
         """KDA bytes per sequence over all KDA layers: recurrent [H, K, V] + conv buffers [3 H K, W-1]."""
-        return len(self.kda_layers) * kda_state_bytes(self._kda_cfg, state_bytes)
+        return kda_state_bytes_per_sequence(self.cfg, state_bytes=state_bytes)
 
 
-def kda_state_bytes(kda_cfg, state_bytes: int = 4) -> int:
-    """Bytes of one KDA layer's state for one sequence."""
-    H, K = kda_cfg.num_heads, kda_cfg.head_dim
-    recurrent = H * K * K * state_bytes
-    conv = 3 * H * K * (kda_cfg.conv_size - 1) * state_bytes
-    return recurrent + conv
+# The one owner of the cache byte counts: HybridCache reports them for a whole model, k3ref.tp.TpPlan per rank.
+def mla_cache_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
+    """Latent-cache bytes per token over all MLA layers: kv_lora_rank + qk_rope_head_dim values each
+    (K3: 512 + 64 = 576; bf16: 24 x 1152). The latent cache is replicated, so this is also the per-rank count."""
+    return len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+
+
+def kda_state_bytes_per_sequence(cfg, tp: int = 1, state_bytes: int = 4, conv_bytes: int | None = None) -> int:
+    """KDA state per sequence over all KDA layers, per tensor-parallel rank (tp=1: the whole model): recurrent
+    S [H/tp, K, V] plus the q/k/v conv buffers [3, H/tp * K, W - 1]; conv_bytes defaults to state_bytes."""
+    h, K = cfg.kda_num_heads // tp, cfg.kda_head_dim
+    conv_bytes = state_bytes if conv_bytes is None else conv_bytes
+    recurrent = h * K * K * state_bytes
+    conv = 3 * h * K * (cfg.short_conv_kernel_size - 1) * conv_bytes
+    return len(cfg.kda_layers) * (recurrent + conv)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from . import attnres, kda, latent_moe, mla, mxfp4, ops, situ
+
 CORE_NAMES = (
     "rmsnorm",       # (x [..., D], w [D], eps) -> [..., D]
     "situ_glu",      # (gate [..., I], up [..., I], beta=4.0, linear_beta=25.0) -> [..., I]
@@ -58,8 +60,6 @@ class Cores:
 
 def reference_cores() -> Cores:
     """The exact NumPy cores (compute in the dtype of their inputs)."""
-    from . import attnres, kda, latent_moe, mla, mxfp4, ops, situ
-
     return Cores(
         rmsnorm=ops.rmsnorm,
         situ_glu=situ.situ_glu,

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._check import require
+from .checks import require
 from .cache import HybridCache
 from .cores import Cores, reference_cores
 from .cpu_weights import LM_HEAD, TEXT_PREFIX, ModuleView, layer_prefix
@@ -157,8 +157,10 @@ def all_reduce(model: K3CpuModel, partial: np.ndarray) -> np.ndarray:
     return partial if model.tp is None else model.tp.comm.all_reduce(partial)
 
 
-def _mixer(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridCache) -> np.ndarray:
-    """KDA or MLA over x [T, D] for sequence ctx.seq; updates that layer's cache."""
+def mixer_forward(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridCache) -> np.ndarray:
+    """KDA or MLA over x [T, D] for sequence ctx.seq; updates that layer's cache.
+
+    Public because the tensor-parallel blame replays one layer's mixer on recorded inputs."""
     from .kda import kda_decode_token, kda_prefill
     from .mla import gated_mla_attend, mla_decode_token, mla_project
 
@@ -214,7 +216,7 @@ def forward_one_layer(ctx: ForwardContext, layer: int, hidden, cache: HybridCach
                                   mix=mix, cores=ctx.cores)
     rec["x_mixer"] = ctx.cores.rmsnorm(rec["h"], w["input_layernorm.weight"], eps)
     # Under TP the mixer's row-split o_proj leaves a partial sum on each rank.
-    rec["a"] = all_reduce(ctx.model, _mixer(ctx, layer, rec["x_mixer"], cache))
+    rec["a"] = all_reduce(ctx.model, mixer_forward(ctx, layer, rec["x_mixer"], cache))
     hidden.add_mixer(rec["a"])
     rec["m"] = hidden.mlp_input(w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], mix=mix, cores=ctx.cores)
     rec["x_mlp"] = ctx.cores.rmsnorm(rec["m"], w["post_attention_layernorm.weight"], eps)

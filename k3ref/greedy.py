@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._check import require
+from .checks import require
 from .cores import Cores
 from .cpu_forward import PRODUCTION, Ablation, K3CpuModel, forward_prefill, forward_token
 

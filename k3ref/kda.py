@@ -19,12 +19,13 @@ and the step written out in `kda_decode_core` (the decode core). The layer funct
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Mapping
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
-from .ops import linear, sigmoid, silu, softplus
+from .checks import as_float, check_shape, require
+from .ops import linear, rmsnorm, sigmoid, silu, softplus
 
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
 KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
@@ -87,7 +88,7 @@ class KdaConfig:
             val = getattr(self, name)
             require(isinstance(val, (int, np.integer)) and not isinstance(val, bool) and val >= 1,
                     f"KdaConfig.{name}: expected a positive int, found {val!r}")
-        _check_lower_bound("KdaConfig.gate_lower_bound", self.gate_lower_bound)
+        check_lower_bound("KdaConfig.gate_lower_bound", self.gate_lower_bound)
         eps = self.norm_eps
         require(isinstance(eps, (int, float, np.floating)) and not isinstance(eps, bool) and np.isfinite(eps) and eps > 0,
                 f"KdaConfig.norm_eps: expected a finite positive float, found {eps!r}")
@@ -145,7 +146,9 @@ class KdaState:
 
 # ----------------------------------------------------------------------------------------------- small steps
 
-def _check_lower_bound(name: str, lb) -> float | None:
+def check_lower_bound(name: str, lb) -> float | None:
+    """The gate's lower bound as a float (None: the plain softplus gate); anything but a finite negative number
+    raises ValueError naming `name`. The CUDA decode core checks its argument with this same rule."""
     if lb is None:
         return None
     require(isinstance(lb, (int, float, np.floating)) and not isinstance(lb, bool) and np.isfinite(lb) and lb < 0,
@@ -180,7 +183,7 @@ def kda_gate(g_raw: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray,
     check_shape("A_log", A_log, (H,))
     dt_bias = as_float("dt_bias", dt_bias).astype(g_raw.dtype, copy=False)
     check_shape("dt_bias", dt_bias, (H * K,))
-    lb = _check_lower_bound("lower_bound", lower_bound)
+    lb = check_lower_bound("lower_bound", lower_bound)
     a = np.exp(A_log)[:, None]                       # [H, 1]
     z = g_raw + dt_bias.reshape(H, K)
     g = -a * softplus(z) if lb is None else lb * sigmoid(a * z)
@@ -217,8 +220,8 @@ def short_conv(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray | None 
 
 # ----------------------------------------------------------------------------------------------- recurrence
 
-def _scale(scale, K: int) -> float:
-    """The query scale: K**-0.5 when None, else a finite float."""
+def query_scale(scale, K: int) -> float:
+    """The query scale: K**-0.5 when None, else a finite float (shared with the CUDA decode core)."""
     scale = K ** -0.5 if scale is None else scale
     require(isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and np.isfinite(scale),
             f"scale: expected a finite float or None (K**-0.5), found {scale!r}")
@@ -239,7 +242,7 @@ def _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
         check_shape("initial_state", initial_state, (B, H, K, V))
         arrays.append(initial_state)
     dt = np.result_type(*arrays)
-    scale = _scale(scale, K)
+    scale = query_scale(scale, K)
     q, k, v, g, beta = (a.astype(dt, copy=False) for a in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -435,7 +438,7 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     g, beta = _core_gates(g_raw, beta_raw, A_log, dt_bias, lower_bound)
     dt = np.result_type(q, k, v, g, beta, state)
     BH = B * H                                                        # (sequence, head) pairs: one row each
-    q = (l2norm(q.astype(dt, copy=False)) * dt.type(_scale(scale, K))).reshape(BH, K)
+    q = (l2norm(q.astype(dt, copy=False)) * dt.type(query_scale(scale, K))).reshape(BH, K)
     k, v = l2norm(k.astype(dt, copy=False)).reshape(BH, K), v.astype(dt, copy=False).reshape(BH, V)
     beta = beta.astype(dt, copy=False).reshape(BH, 1)
     decay = np.exp(g.astype(dt, copy=False)).reshape(BH, K)
@@ -555,9 +558,8 @@ def _layer_cores(state, cfg, cores):
     """Check cfg and state types; the reference cores when cores is None."""
     require(isinstance(cfg, KdaConfig), f"cfg: expected a KdaConfig, found {type(cfg).__name__}")
     require(isinstance(state, KdaState), f"state: expected a KdaState, found {type(state).__name__}")
-    if cores is None:
-        from .cores import reference_cores                            # lazy: cores imports this module
-        cores = reference_cores()
+    if cores is None:                        # this module's own steps: the registry k3ref.cores imports this module
+        return types.SimpleNamespace(rmsnorm=rmsnorm, kda_prefill=kda_prefill_core, kda_decode=kda_decode_core)
     return cores
 
 

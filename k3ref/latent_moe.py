@@ -13,13 +13,14 @@ selected experts' tensors are read from it.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
-from .ops import linear, sigmoid
-from .situ import situ_glu_vec
+from .checks import as_float, check_shape, require
+from .ops import linear, rmsnorm, sigmoid
+from .situ import situ_glu, situ_glu_vec
 
 RENORM_EPS = 1e-20
 _BATCH_BYTES = 4 << 20   # one token's experts are dequantised together when a projection of all of them fits here
@@ -178,6 +179,16 @@ def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str,
     return out
 
 
+def _cores(cores):
+    """`cores`, or this module's own reference steps when None (the registry k3ref.cores imports this module,
+    so this module does not import it)."""
+    if cores is None:
+        from . import mxfp4
+        return types.SimpleNamespace(moe_route=sigmoid_topk, mxfp4_gemv=mxfp4.mxfp4_gemv, rmsnorm=rmsnorm,
+                                     situ_glu=situ_glu)
+    return cores
+
+
 def _gemv_of(cores):
     """The gemv for experts whose tensors `_expert_tensors` checked: the reference core's checked-once form when
     `cores` has the reference core, else the swapped-in core itself (a kernel under test sees every call)."""
@@ -222,9 +233,7 @@ def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig,
     weights: `experts.{e}.w{1,3}.weight_packed` u8 [I, Dl/2] + `.weight_scale` u8 [I, Dl/32],
     `experts.{e}.w2.weight_packed` u8 [Dl, I/2] + `.weight_scale` u8 [Dl, I/32]; z: [n, Dl] -> [n, Dl].
     """
-    if cores is None:
-        from .cores import reference_cores
-        cores = reference_cores()
+    cores = _cores(cores)
     z = as_float("z", z)
     check_shape("z", z, (None, cfg.latent_size))
     return _run_expert(_expert_tensors(weights, e, cfg), z, cfg, cores, _gemv_of(cores))
@@ -239,9 +248,7 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     experts: the expert ids this rank holds (expert parallelism: the others' terms are left out, the partial
     sums all-reduced by the caller); None = all.
     """
-    if cores is None:
-        from .cores import reference_cores
-        cores = reference_cores()
+    cores = _cores(cores)
     from . import mxfp4
 
     gemv = _gemv_of(cores)
@@ -271,9 +278,7 @@ def latent_moe_forward(weights: Mapping, x: np.ndarray, cfg: LatentMoeConfig, co
     Expert parallel (one rank): `experts` are the routed experts this rank holds, so its y_lat is a partial
     sum, and `all_reduce(y_lat)` completes it before the routed norm; router and the rest are replicated.
     """
-    if cores is None:
-        from .cores import reference_cores
-        cores = reference_cores()
+    cores = _cores(cores)
     x = as_float("x", x)
     D, E, Dl = cfg.hidden_size, cfg.num_experts, cfg.latent_size
     check_shape("x", x, (None, D))

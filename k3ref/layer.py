@@ -10,7 +10,6 @@ import dataclasses
 import enum
 
 from .config import K3Config
-from .weights import layer_prefix
 
 
 class MixerKind(enum.Enum):
@@ -34,16 +33,6 @@ class K3LayerSpec:
     index: int
     mixer: MixerKind
     mlp: MlpKind
-
-    @property
-    def prefix(self) -> str:
-        """Checkpoint name prefix of this layer's tensors."""
-        return layer_prefix(self.index)
-
-    @property
-    def mlp_module(self) -> str:
-        """The checkpoint module holding this layer's MLP: `mlp` or `block_sparse_moe`."""
-        return "mlp" if self.mlp is MlpKind.DENSE else "block_sparse_moe"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Mapping
 
 import numpy as np
 
 from . import ops
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .cache import MlaKv
 
 
@@ -131,9 +132,10 @@ def _normed(norm: str, y, shape: tuple) -> np.ndarray:
 
 
 def _cores(cores):
+    """`cores`, or this module's own reference steps when None (the registry k3ref.cores imports this module,
+    so this module does not import it)."""
     if cores is None:
-        from .cores import reference_cores  # deferred: cores imports every block module, this one included
-        cores = reference_cores()
+        return types.SimpleNamespace(rmsnorm=ops.rmsnorm, mla_decode=mla_decode_core)
     return cores
 
 

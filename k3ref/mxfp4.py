@@ -3,16 +3,13 @@
 32 E2M1 codes share one E8M0 scale:  value = E2M1[code] * 2^(e - 127),  e = 255 is NaN.
 Byte layout (compressed-tensors `mxfp4-pack-quantized`): element 2i sits in the LOW nibble of byte i,
 element 2i+1 in the HIGH nibble. Not the ggml block_mxfp4 layout (which interleaves halves of a block).
-K3 names `...w1.weight_packed` U8 [out, in/2] and `...w1.weight_scale` U8 [out, in/32]; DeepSeek-V4 names
-the same bytes `...w1.weight` / `...w1.scale`.
+K3 names `...w1.weight_packed` U8 [out, in/2] and `...w1.weight_scale` U8 [out, in/32].
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 
 GROUP = 32          # elements per shared scale
 E8M0_BIAS = 127
@@ -168,23 +165,3 @@ def _gemv_blocked(p: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
         W = dequantize_rows(p[r0:r0 + n], s[r0:r0 + n], buf[:n])
         y[..., r0:r0 + n] = x @ W.astype(x.dtype, copy=False).T
     return y
-
-
-_K3_NAME = re.compile(r"^(.*\bexperts\.\d+\.w[123])\.(weight_packed|weight_scale)$")
-_DSV4_NAME = re.compile(r"^(.*\bexperts\.\d+\.w[123])\.(weight|scale)$")
-
-
-def k3_to_dsv4_name(name: str) -> str:
-    """`...experts.{E}.w{1,2,3}.weight_packed` -> `....weight`; `...weight_scale` -> `....scale`."""
-    m = _K3_NAME.match(name)
-    require(m is not None, f"name: expected a K3 routed-expert tensor `...experts.{{E}}.w{{1,2,3}}.weight_packed` "
-                           f"or `.weight_scale`, found {name!r}")
-    return m.group(1) + (".weight" if m.group(2) == "weight_packed" else ".scale")
-
-
-def dsv4_to_k3_name(name: str) -> str:
-    """`...experts.{E}.w{1,2,3}.weight` -> `....weight_packed`; `...scale` -> `....weight_scale`."""
-    m = _DSV4_NAME.match(name)
-    require(m is not None, f"name: expected a DeepSeek-V4 routed-expert tensor `...experts.{{E}}.w{{1,2,3}}.weight` "
-                           f"or `.scale`, found {name!r}")
-    return m.group(1) + (".weight_packed" if m.group(2) == "weight" else ".weight_scale")

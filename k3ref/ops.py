@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import as_float, check_shape
+from .checks import as_float, check_shape
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -58,10 +58,3 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     w = np.asarray(w)
     check_shape("w", w, (None, x.shape[-1]))
     return x @ w.astype(x.dtype, copy=False).T
-
-
-def gemv(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """y = W x for one vector. w: [out, in]; x: [in] -> [out]."""
-    x = as_float("x", x)
-    check_shape("x", x, (None,))
-    return linear(x, w)

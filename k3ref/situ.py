@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import as_float, check_shape, require
+from .checks import as_float, check_shape, require
 from .ops import linear, sigmoid
 
 
@@ -63,10 +63,8 @@ def situ_glu_vec(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray,
     I, _ = check_shape("w1", w1, (None, D))
     check_shape("w3", w3, (I, D))
     check_shape("w2", w2, (D, I))
-    if cores is None:
-        from .cores import reference_cores
-        cores = reference_cores()
-    h = cores.situ_glu(linear(x, w1), linear(x, w3), beta=beta, linear_beta=linear_beta)
+    glu = situ_glu if cores is None else cores.situ_glu
+    h = glu(linear(x, w1), linear(x, w3), beta=beta, linear_beta=linear_beta)
     return linear(np.asarray(h).astype(x.dtype, copy=False), w2)
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from .cache import kda_state_bytes_per_sequence, mla_cache_bytes_per_token
 from .config import K3Config
 from .weights import DTYPE_BYTES, LM_HEAD, TEXT_PREFIX, TensorSpec, inventory, is_routed_expert
 
@@ -225,17 +226,12 @@ class TpPlan:
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """MLA cache bytes per token per rank over all MLA layers: (kv_lora + rope) values each, replicated."""
-        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim   # K3: 512 + 64 = 576
-        return len(self.cfg.mla_layers) * width * dtype_bytes
+        return mla_cache_bytes_per_token(self.cfg, dtype_bytes)
 
     def kda_state_bytes_per_sequence(self, state_bytes: int = 4, conv_bytes: int = 4) -> int:
         """KDA state per sequence per rank over all KDA layers: recurrent S [H/tp, K, V] plus the q/k/v conv
         buffers [3, H/tp * K, W - 1] (fp32 both by default; pass conv_bytes=2 for a bf16 conv state)."""
-        c = self.cfg
-        h, K = c.kda_num_heads // self.tp, c.kda_head_dim
-        recurrent = h * K * K * state_bytes
-        conv = 3 * h * K * (c.short_conv_kernel_size - 1) * conv_bytes
-        return len(c.kda_layers) * (recurrent + conv)
+        return kda_state_bytes_per_sequence(self.cfg, self.tp, state_bytes, conv_bytes)
 
 
 def _expert_index(name: str) -> int:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ._check import require
+from .checks import require
 from .tp import TpPlan
-from .weights import HeaderEntry, _stored_tensors, inventory
+from .weights import HeaderEntry, inventory, stored_tensors
 
 _NP_DTYPES = {"F64": np.float64, "F32": np.float32, "U8": np.uint8, "I64": np.int64, "I32": np.int32}
 
@@ -109,7 +109,7 @@ def synthetic_rank_shard(plan: TpPlan, rank: int, seed: int) -> tuple[dict[str, 
     held = [e.spec for name, e in plan.entries.items() if plan.holds(name, rank)]
     out, cost = {}, ShardBytes()
     local = {s.name: s.shape for s in inventory(plan.local_config())}
-    for spec, full in _stored_tensors(plan.cfg, seed, held):
+    for spec, full in stored_tensors(plan.cfg, seed, held):
         part = plan.shard(spec.name, full, rank)
         _check_local(plan, rank, spec.name, part, local)
         out[spec.name] = part if part is full else np.array(part, copy=True)   # drop the rest of the draw

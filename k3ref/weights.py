@@ -303,8 +303,11 @@ class _ExpertQuantizer:
         return out
 
 
-def _stored_tensors(cfg: K3Config, seed: int, specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
-    """(spec, array in its storage dtype: bf16 / float32 / uint8) for each spec, deterministic in `seed`."""
+def stored_tensors(cfg: K3Config, seed: int, specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
+    """(spec, array in its storage dtype: bf16 / float32 / uint8) for each spec, deterministic in `seed`.
+
+    The one generator of synthetic tensors: whole checkpoints and tensor-parallel shards both draw from it, so a
+    shard holds exactly the slice of the whole tensor."""
     experts = _ExpertQuantizer(cfg, seed)
     for spec in specs:
         if spec.dtype == "U8":
@@ -331,7 +334,7 @@ def synthetic_weights(cfg: K3Config, seed: int, dtype=np.float64) -> dict[str, n
         raise ValueError(f"synthetic_weights: {cfg.num_parameters():,} parameters ({total / 2**30:.0f} GiB stored) "
                          "is too large to materialise; use a smaller config (preset 'small' or 'tiny')")
     return {spec.name: (a if spec.dtype == "U8" else a.astype(dtype))
-            for spec, a in _stored_tensors(cfg, seed, inventory(cfg))}
+            for spec, a in stored_tensors(cfg, seed, inventory(cfg))}
 
 
 # ----- safetensors I/O -----
@@ -388,7 +391,7 @@ def synthetic_checkpoint(cfg: K3Config, seed: int, out_dir: str | os.PathLike,
     shards = _plan_shards(specs, shard_bytes)
     n = len(shards)
     weight_map = {}
-    stream = _stored_tensors(cfg, seed, specs)
+    stream = stored_tensors(cfg, seed, specs)
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{n:05d}.safetensors"
         items = (next(stream) for _ in shard)

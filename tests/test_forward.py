@@ -154,9 +154,7 @@ def test_checkpoint_forward_equals_in_memory(tiny, tmp_path):
 def test_k3_cache_memory_accounting():
     cfg = K3Config.preset("k3")
     cache = HybridCache.__new__(HybridCache)  # accounting needs no allocation of 93 layers of state
-    cache._kda_cfg, cache._mla_cfg = cfg.kda_config(), cfg.mla_config()
-    cache.mla_layers = tuple(i for i in range(93) if cfg.is_mla(i))
-    cache.kda_layers = tuple(i for i in range(93) if not cfg.is_mla(i))
+    cache.cfg = cfg                           # the counts come from the config (k3ref.cache owns the formulas)
     assert cache.mla_bytes_per_token(2) == 24 * 1152
     recurrent, conv = 96 * 128 * 128 * 4, 3 * 96 * 128 * 3 * 4
     assert cache.kda_bytes_per_sequence(4) == 69 * (recurrent + conv)

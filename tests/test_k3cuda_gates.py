@@ -52,7 +52,7 @@ def test_wrapper_conventions(block):
     mod = k3cuda.kernel_module(block)
     assert mod.KERNEL.block == block and mod.KERNEL.source == f"{block}.cu"
     assert mod.KERNEL.path.is_file(), f"{mod.KERNEL.path} missing"
-    for name in (block, "device_launch", "traffic", "bench_cases", "check_cases", "torch_eager"):
+    for name in (block, "device_launch", "traffic", "bench_cases", "check_cases"):
         assert callable(getattr(mod, name, None)), f"k3cuda.{block} has no function {name}()"
     assert mod.bench_cases() and mod.check_cases(), f"k3cuda.{block}: empty bench_cases() or check_cases()"
 

@@ -105,7 +105,8 @@ def test_module_constants_match_cu_defines():
     ar = _defines(AR.KERNEL.path.read_text())
     assert (mla["MLA_TILE"], mla["MLA_HEADS_PER_BLOCK"], mla["MLA_MAX_R"], mla["MLA_MAX_P"]) == \
         (MLA.TILE, MLA.HEADS_PER_BLOCK, MLA.MAX_R, MLA.MAX_P)
-    assert (mx["MX_ROWS_PER_BLOCK"], mx["MX_TB"], mx["MX_GROUP"]) == (MX.ROWS_PER_BLOCK, MX.VECTORS_PER_BLOCK, MX.GROUP)
+    assert (mx["MX_ROWS_PER_BLOCK"], mx["MX_VECTORS_PER_BLOCK"], mx["MX_GROUP"]) == \
+        (MX.ROWS_PER_BLOCK, MX.VECTORS_PER_BLOCK, MX.GROUP)
     assert ar["AR_MAX_S"] == AR.MAX_SOURCES
 
 

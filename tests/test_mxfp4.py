@@ -245,26 +245,3 @@ def test_mxfp4_gemv_rejects_bad_shapes(rng, x_shape, needle):
     packed, scale = mxfp4.quantize(rng.standard_normal((3, 64)))
     with pytest.raises(ValueError, match=needle):
         mxfp4.mxfp4_gemv(packed, scale, np.ones(x_shape))
-
-
-PREFIX = "language_model.model.layers.5.block_sparse_moe."
-
-
-@pytest.mark.parametrize("k3, dsv4", [
-    pytest.param(PREFIX + "experts.7.w1.weight_packed", PREFIX + "experts.7.w1.weight", id="w1-packed"),
-    pytest.param(PREFIX + "experts.895.w2.weight_scale", PREFIX + "experts.895.w2.scale", id="w2-scale"),
-    pytest.param("experts.0.w3.weight_packed", "experts.0.w3.weight", id="local-w3"),
-])
-def test_checkpoint_name_mapping(k3, dsv4):
-    assert mxfp4.k3_to_dsv4_name(k3) == dsv4
-    assert mxfp4.dsv4_to_k3_name(dsv4) == k3
-
-
-@pytest.mark.parametrize("fn, name", [
-    pytest.param(mxfp4.k3_to_dsv4_name, PREFIX + "gate.weight", id="k3-router"),
-    pytest.param(mxfp4.k3_to_dsv4_name, PREFIX + "experts.7.w1.weight", id="k3-already-dsv4"),
-    pytest.param(mxfp4.dsv4_to_k3_name, PREFIX + "shared_experts.up_proj.weight", id="dsv4-shared"),
-])
-def test_checkpoint_name_mapping_rejects_other_tensors(fn, name):
-    with pytest.raises(ValueError, match="name"):
-        fn(name)

@@ -22,6 +22,7 @@ torch = import_or_skip("torch")
 
 from conformance.baselines import torch_backend  # noqa: E402
 from conformance.baselines.torch_cores import torch_core, torch_cores  # noqa: E402
+from k3ref.cache import paged_latent_cache  # noqa: E402
 from k3ref.cores import reference_cores  # noqa: E402
 from tolerances import rel_rms  # noqa: E402
 
@@ -106,25 +107,10 @@ def make_kda_prefill(rng, B=2, T=65, H=3, K=16, V=12, lower_bound=-5.0, tiny_hea
     return dict(d, state=0.3 * rng.normal(size=(B, H, K, V)), lower_bound=lower_bound)
 
 
-def make_mla_decode(rng, seq_lens=(65, 1), H=3, R=32, P=8, page=16, poison=True):
+def make_mla_decode(rng, seq_lens=(65, 1), H=3, R=32, P=8, page=16):
     """A page pool shuffled across sequences; unused slots NaN-poisoned (they must never be read)."""
     B, W = len(seq_lens), R + P
-    need = [-(-L // page) for L in seq_lens]
-    max_pages = max(need) + 1
-    n_pages = sum(need) + 2
-    order = rng.permutation(n_pages)
-    cache = rng.normal(size=(n_pages, page, W))
-    table = np.full((B, max_pages), -1, dtype=np.int32)
-    used = 0
-    for b, (L, n) in enumerate(zip(seq_lens, need)):
-        table[b, :n] = order[used:used + n]
-        if poison:
-            last = cache[table[b, n - 1]]
-            last[L - (n - 1) * page:] = np.nan
-        used += n
-    if poison:
-        for free in order[used:]:
-            cache[free] = np.nan
+    cache, table = paged_latent_cache(rng, seq_lens, W, page, spare_pages=2)
     return dict(q_abs=rng.normal(size=(B, H, W)) * 0.5, kv_cache=cache, block_table=table,
                 seq_lens=np.asarray(seq_lens, dtype=np.int32), scale=1 / math.sqrt(192), kv_rank=R)
 

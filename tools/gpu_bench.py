@@ -4,7 +4,8 @@
 For each `bench_cases()` entry of each wrapper in k3cuda.KERNEL_MODULES: fresh random inputs, uploaded once;
 `time_fn` (below) of the kernel; achieved bytes/s from the case's Traffic; the ratio to the bandwidth of a
 copy kernel timed the same way at the start of this same run (the gate: ratio >= target_bw_ratio); the same
-math in PyTorch eager (`torch_eager`, timed with torch's own events) and the speedup over it.
+math in PyTorch eager (the float32 baseline of `k3conf run`, conformance.baselines.torch_cores, inputs uploaded
+once, timed with torch's own events) and the speedup over it.
 
 Timing (`time_fn`): before every repetition a memset of a buffer of twice the L2 size evicts the kernel's data
 from L2 (the cases are gated against DRAM bandwidth); a repetition is one pair of CUDA events around
@@ -171,6 +172,18 @@ def pycuda_device() -> tuple[Device, Callable[[Device, object], float]]:
     return dev, copy_bandwidth
 
 
+def torch_baseline(block: str, inputs: dict, device: str = "cuda"):
+    """The PyTorch core of `k3conf run` for `block` in float32 on `device`: inputs checked and uploaded here,
+    once; the returned callable runs the math alone (what is timed)."""
+    import torch
+
+    from conformance.baselines.torch_cores import torch_core
+
+    core = torch_core(block, dtype=torch.float32, device=device)
+    prepared = core.prepare(**inputs)
+    return lambda: core.compute(**prepared)
+
+
 def time_torch(fn, dev: Device, nbytes: int, args) -> float:
     """time_fn with torch's events and synchronisation (the flush stays k3cuda's memset on the same device)."""
     import torch
@@ -209,7 +222,7 @@ def bench_case(mod, block: str, case, copy_bw: float, dev: Device, version: int 
     del launch
     if not args.no_torch:
         try:
-            fn = mod.torch_eager(inputs)
+            fn = torch_baseline(block, inputs)
             row["torch_seconds"] = time_torch(fn, dev, nbytes, args)
             row["speedup_vs_torch"] = row["torch_seconds"] / t
             del fn

@@ -12,7 +12,7 @@ either. Numpy in, numpy out (float64 out for float64 cores, float32 otherwise); 
   stores as bf16 activations are rounded to bf16 on the way out. TF32 (if a user enables it on CUDA) keeps
   bf16 operands exact, but would degrade the float32 cores: leave torch.backends.cuda.matmul.allow_tf32 off.
 
-Each core is a `TorchCore`: `prepare(*args, **kwargs)` validates the numpy inputs (k3ref._check) and
+Each core is a `TorchCore`: `prepare(*args, **kwargs)` validates the numpy inputs (k3ref.checks) and
 moves them to the device once, `compute(**prepared)` is the pure torch math (what the backend times), and
 calling the core does both and returns numpy. Private keyword knobs (`_l2_eps`, `_bias_in_weights`,
 `_high_nibble_first`) exist only to build deliberately wrong cores for the mutation tests.
@@ -25,7 +25,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from k3ref._check import as_float, check_shape, require
+from k3ref.checks import as_float, check_shape, require
+from k3ref.mla import check_decode_args
 
 KDA_L2_EPS = 1e-6          # DESIGN.md: eps inside the sqrt of the q/k L2 norm
 KDA_CHUNK = 64             # chunk length of the WY/UT prefill form
@@ -327,25 +328,8 @@ def kda_prefill(p: Precision, q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *
 
 def _prep_mla_decode(p: Precision, q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank) -> dict:
     q_abs, kv_cache = np.asarray(q_abs), np.asarray(kv_cache)
-    B, H, W = check_shape("q_abs", q_abs, ("B", "H", "W"))
-    N, page, _ = check_shape("kv_cache", kv_cache, (None, None, W))
     bt, sl = np.asarray(block_table), np.asarray(seq_lens)
-    check_shape("block_table", bt, (B, None))
-    check_shape("seq_lens", sl, (B,))
-    require(bt.dtype.kind in "iu", f"block_table: expected an integer array, found dtype {bt.dtype}")
-    require(sl.dtype.kind in "iu", f"seq_lens: expected an integer array, found dtype {sl.dtype}")
-    require(0 < int(kv_rank) <= W, f"kv_rank: expected 1..{W} (the cache row width), found {kv_rank}")
-    require(float(scale) > 0, f"scale: expected > 0, found {scale}")
-    for b in range(B):
-        L = int(sl[b])
-        need = -(-L // page)
-        require(1 <= L <= bt.shape[1] * page,
-                f"seq_lens[{b}]: expected 1..{bt.shape[1] * page} (block_table holds {bt.shape[1]} pages of "
-                f"{page}), found {L}")
-        used = bt[b, :need]
-        require(bool(np.all((used >= 0) & (used < N))),
-                f"block_table[{b}, :{need}]: expected page ids in 0..{N - 1}, found {used.tolist()}")
-        as_float(f"kv_cache rows of sequence {b}", kv_cache[used].reshape(-1, W)[:L])   # finite where read
+    check_decode_args(q_abs, kv_cache, bt, sl, scale=scale, kv_rank=kv_rank)     # the reference core's own rules
     # Slots past seq_lens are never read, so they may hold anything (NaN poison included).
     cache = p.round(torch.from_numpy(as_float("kv_cache", kv_cache, allow_nan=True)).to(p.device, p.compute))
     return dict(q_abs=p.act("q_abs", q_abs), kv_cache=cache,

@@ -12,7 +12,7 @@ import numpy as np
 
 from k3ref.config import K3Config
 from k3ref.cores import reference_cores
-from k3ref.cpu_forward import ForwardContext, K3CpuModel, _mixer
+from k3ref.cpu_forward import ForwardContext, K3CpuModel, mixer_forward
 from k3ref.latent_moe import latent_moe_forward
 from k3ref.tp import TpPlan
 
@@ -61,7 +61,7 @@ def _expected(plan: TpPlan, rank: int, weights: dict, inter: dict, outputs: dict
         cache = model.new_cache()
         seq = cache.add_sequence()
         _GoldenFeed(_kda_slices(inter, plan, rank, plan.cfg.kda_head_dim), "fp64").layer_cache(cache, seq, s, l)
-        return _mixer(ForwardContext(model, cores, seq, prefill=(s == 0)), l, outputs[f"{key}.2_x_mixer"], cache)
+        return mixer_forward(ForwardContext(model, cores, seq, prefill=(s == 0)), l, outputs[f"{key}.2_x_mixer"], cache)
     try:
         latent_moe_forward(model.layer(l).sub("block_sparse_moe."), outputs[f"{key}.5_x_mlp"], model.moe_cfg, cores,
                            experts=model.tp.experts, all_reduce=model.tp.comm.all_reduce)

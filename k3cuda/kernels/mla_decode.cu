@@ -51,7 +51,7 @@
 #define MLA_MAX_R 512
 #define MLA_MAX_P 64
 #define MLA_ROW (MLA_MAX_R + MLA_MAX_P)           // 576: shared-memory row stride in floats
-#define MLA_RCH (MLA_MAX_R / 128)                 // float4 chunks of the latent per lane
+#define MLA_LATENT_CHUNKS (MLA_MAX_R / 128)       // float4 chunks of the latent per lane
 #define COMBINE_THREADS 128
 #define COMBINE_MIN_BLOCKS 4
 
@@ -137,15 +137,15 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
 
     // q slices: latent columns 4*lane + 128*i, rope columns R + 2*lane, R + 2*lane + 1; zero when out of range.
     // (Scalar loads: a q row starts 16-byte aligned only when W % 4 == 0, and this runs once per block.)
-    float4 qc[MLA_HPW][MLA_RCH];
+    float4 qc[MLA_HPW][MLA_LATENT_CHUNKS];
     float2 qp[MLA_HPW];
-    float4 acc[MLA_HPW][MLA_RCH];
+    float4 acc[MLA_HPW][MLA_LATENT_CHUNKS];
 #pragma unroll
     for (int hh = 0; hh < MLA_HPW; ++hh) {
         const int h = h0 + hh;
         const float* qrow = q + ((int64_t)b * H + h) * W;
 #pragma unroll
-        for (int i = 0; i < MLA_RCH; ++i) {
+        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
             const int col = 4 * lane + 128 * i;
             qc[hh][i] = (h < H && col < R) ? make_float4(qrow[col], qrow[col + 1], qrow[col + 2], qrow[col + 3])
                                            : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -172,7 +172,7 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
                 const float* row = tile + j * MLA_ROW;
                 float a[MLA_HPW] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int i = 0; i < MLA_RCH; ++i) {
+                for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
                     const int col = 4 * lane + 128 * i;
                     if (col < R) {
                         const float4 c = k3_ld4(row + col);
@@ -216,7 +216,7 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
         for (int hh = 0; hh < MLA_HPW; ++hh) {
             const float al = alpha_s[warp][hh];
 #pragma unroll
-            for (int i = 0; i < MLA_RCH; ++i) {
+            for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
                 acc[hh][i].x *= al; acc[hh][i].y *= al; acc[hh][i].z *= al; acc[hh][i].w *= al;
             }
         }
@@ -226,7 +226,7 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
 #pragma unroll
             for (int hh = 0; hh < MLA_HPW; ++hh) p[hh] = p_s[warp][hh][j];
 #pragma unroll
-            for (int i = 0; i < MLA_RCH; ++i) {
+            for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
                 const int col = 4 * lane + 128 * i;
                 if (col < R) {
                     const float4 c = k3_ld4(row + col);
@@ -249,7 +249,7 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
         if (h >= H) continue;
         float* orow = o_part + (part * H + h) * R;
 #pragma unroll
-        for (int i = 0; i < MLA_RCH; ++i) {
+        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
             const int col = 4 * lane + 128 * i;
             if (col < R) k3_st4(orow + col, acc[hh][i]);
         }

@@ -29,9 +29,9 @@
 #define MX_THREADS 256
 #define MX_MIN_BLOCKS 3                     // 65536 / (256 * 3) -> <= 80 registers
 #define MX_WARPS (MX_THREADS / 32)
-#define MX_RPW 2                            // rows per warp
-#define MX_ROWS_PER_BLOCK (MX_WARPS * MX_RPW)
-#define MX_TB 4                             // vectors per block (blockIdx.y walks T in steps of 4)
+#define MX_ROWS_PER_WARP 2
+#define MX_ROWS_PER_BLOCK (MX_WARPS * MX_ROWS_PER_WARP)
+#define MX_VECTORS_PER_BLOCK 4              // blockIdx.y walks T in steps of 4
 #define MX_GROUP 32
 
 // E8M0 byte -> 2^(e - 127), exact (e = 0 gives the fp32 subnormal 2^-127); e = 255 -> NaN.
@@ -50,23 +50,23 @@ mxfp4_gemv_f32(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ s
     __syncthreads();
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * MX_WARPS + warp) * MX_RPW;
-    const int t0 = blockIdx.y * MX_TB;
+    const int row0 = (blockIdx.x * MX_WARPS + warp) * MX_ROWS_PER_WARP;
+    const int t0 = blockIdx.y * MX_VECTORS_PER_BLOCK;
     if (row0 >= N) return;
     const int G = K / MX_GROUP;
-    const int nt = min(MX_TB, T - t0);
+    const int nt = min(MX_VECTORS_PER_BLOCK, T - t0);
 
-    float acc[MX_RPW][MX_TB];
+    float acc[MX_ROWS_PER_WARP][MX_VECTORS_PER_BLOCK];
 #pragma unroll
-    for (int r = 0; r < MX_RPW; ++r)
+    for (int r = 0; r < MX_ROWS_PER_WARP; ++r)
 #pragma unroll
-        for (int t = 0; t < MX_TB; ++t) acc[r][t] = 0.f;
+        for (int t = 0; t < MX_VECTORS_PER_BLOCK; ++t) acc[r][t] = 0.f;
 
     for (int g = lane; g < G; g += 32) {
-        uint4 wq[MX_RPW];
-        float sc[MX_RPW];
+        uint4 wq[MX_ROWS_PER_WARP];
+        float sc[MX_ROWS_PER_WARP];
 #pragma unroll
-        for (int r = 0; r < MX_RPW; ++r) {
+        for (int r = 0; r < MX_ROWS_PER_WARP; ++r) {
             const int n = row0 + r;
             if (n < N) {
                 wq[r] = __ldg(reinterpret_cast<const uint4*>(packed + (int64_t)n * (K / 2)) + g);
@@ -76,44 +76,44 @@ mxfp4_gemv_f32(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ s
                 sc[r] = 0.f;
             }
         }
-        float part[MX_RPW][MX_TB];
+        float part[MX_ROWS_PER_WARP][MX_VECTORS_PER_BLOCK];
 #pragma unroll
-        for (int r = 0; r < MX_RPW; ++r)
+        for (int r = 0; r < MX_ROWS_PER_WARP; ++r)
 #pragma unroll
-            for (int t = 0; t < MX_TB; ++t) part[r][t] = 0.f;
+            for (int t = 0; t < MX_VECTORS_PER_BLOCK; ++t) part[r][t] = 0.f;
 
 #pragma unroll
         for (int q = 0; q < 4; ++q) {       // 4 bytes = 8 elements at a time: k = 32 g + 8 q + e
-            float w[MX_RPW][8];
+            float w[MX_ROWS_PER_WARP][8];
 #pragma unroll
-            for (int r = 0; r < MX_RPW; ++r) {
+            for (int r = 0; r < MX_ROWS_PER_WARP; ++r) {
                 const uint32_t word = q == 0 ? wq[r].x : q == 1 ? wq[r].y : q == 2 ? wq[r].z : wq[r].w;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) w[r][e] = lut[(word >> (4 * e)) & 15u];  // byte e/2: low nibble first
             }
 #pragma unroll
-            for (int t = 0; t < MX_TB; ++t) {
+            for (int t = 0; t < MX_VECTORS_PER_BLOCK; ++t) {
                 if (t < nt) {
                     const float* xp = x + (int64_t)(t0 + t) * K + MX_GROUP * g + 8 * q;
                     const float4 xa = __ldg(reinterpret_cast<const float4*>(xp));
                     const float4 xb = __ldg(reinterpret_cast<const float4*>(xp + 4));
 #pragma unroll
-                    for (int r = 0; r < MX_RPW; ++r)
+                    for (int r = 0; r < MX_ROWS_PER_WARP; ++r)
                         part[r][t] += w[r][0] * xa.x + w[r][1] * xa.y + w[r][2] * xa.z + w[r][3] * xa.w
                                     + w[r][4] * xb.x + w[r][5] * xb.y + w[r][6] * xb.z + w[r][7] * xb.w;
                 }
             }
         }
 #pragma unroll
-        for (int r = 0; r < MX_RPW; ++r)
+        for (int r = 0; r < MX_ROWS_PER_WARP; ++r)
 #pragma unroll
-            for (int t = 0; t < MX_TB; ++t) acc[r][t] += sc[r] * part[r][t];
+            for (int t = 0; t < MX_VECTORS_PER_BLOCK; ++t) acc[r][t] += sc[r] * part[r][t];
     }
 
 #pragma unroll
-    for (int r = 0; r < MX_RPW; ++r) {
+    for (int r = 0; r < MX_ROWS_PER_WARP; ++r) {
 #pragma unroll
-        for (int t = 0; t < MX_TB; ++t) {
+        for (int t = 0; t < MX_VECTORS_PER_BLOCK; ++t) {
             const float v = k3_warp_sum(acc[r][t]);
             if (lane == 0 && row0 + r < N && t < nt) y[(int64_t)(t0 + t) * N + row0 + r] = v;
         }
