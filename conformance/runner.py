@@ -38,7 +38,7 @@ from .cases import INFO_KEY, NOTES_KEY, Case, kind_of
 from .compare import Comparison, compare
 from .goldens import GoldenError, golden_problems, load_manifest, read_golden, regen_command
 
-# The speed baseline is PyTorch eager doing the same math at the same precision (issue 5): on the CPU numpy
+# The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.
 TIME_BASELINE = {"fp64": "torch64", "fp32": "torch", "bf16": "torch-bf16"}
 _LAYER = re.compile(r"layer[._-]?(\d+)")

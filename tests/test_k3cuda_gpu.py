@@ -21,7 +21,7 @@ import pytest
 import k3cuda
 from k3cuda import testing
 
-# block: (relative-RMS tolerance against float64, reason). One row per kernel (F2's included).
+# block: (relative-RMS tolerance against float64, reason). One row per kernel.
 TOL: dict[str, tuple[float, str]] = {
     "kda_decode": (1e-5, "fp32 state and math: decay, two 128-term column sums and an update per step, "
                          "~1e-7 per op; o and the new state both checked"),

@@ -35,7 +35,7 @@ from tests.tolerances import rel_rms, tol
 
 SM_COUNT = 132  # an H200's SMs, the fake device's
 
-# every entry of F2's kernels and the wrapper's packing order (parameter names) for it
+# every entry of the multi-entry kernels (mla_decode, mxfp4_gemv, attnres_mix) and the wrapper's packing order (parameter names) for it
 ENTRY_ARGS = [
     pytest.param(MLA, MLA.ENTRY_F32, MLA.SPLIT_ARGS, id="mla_decode_split_f32"),
     pytest.param(MLA, MLA.ENTRY_BF16, MLA.SPLIT_ARGS, id="mla_decode_split_bf16"),
