@@ -55,7 +55,9 @@ def test_tiny_exercises_every_feature():
     mla = g.indices(mixer=MixerKind.MLA)
     assert len(g.indices(mixer=MixerKind.KDA)) >= 2 and len(mla) >= 2
     assert mla[-2:] == (cfg.num_hidden_layers - 2, cfg.num_hidden_layers - 1), "two MLA layers in a row at the end"
-    assert g.indices(mlp=MlpKind.DENSE) == (0,) and len(g.indices(mlp=MlpKind.LATENT_MOE)) >= 2
+    assert g.indices(mlp=MlpKind.DENSE) == (0,), "only layer 0 is dense"
+    assert g.indices(mlp=MlpKind.LATENT_MOE) == tuple(range(1, len(g.layers))), "every later layer is latent MoE"
+    assert len(g.indices(mlp=MlpKind.LATENT_MOE)) >= 2
     assert len([b for b in g.block_starts if b > 0]) >= 2, "at least two AttnRes block boundaries after layer 0"
     assert cfg.vocab_size % 2 == 1 and cfg.n_routed_experts % 2 == 1 and cfg.intermediate_size % 2 == 1
     cfg.validate_tp(2), cfg.validate_tp(4)  # heads even on purpose: the simulated TP 2 / TP 4 forwards
