@@ -189,7 +189,7 @@ class RunReport:
         }
 
 
-class _Runner:
+class Runner:
     """Holds the per-run caches: goldens, baseline errors and timings."""
 
     def __init__(self, root: Path, config: str, timing: bool):
@@ -363,10 +363,10 @@ def _rel_errors(outs: dict, golden) -> dict[str, float]:
     return errs
 
 
-def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> _Runner:
+def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> Runner:
     """A runner with empty caches for callers that run cases one at a time (`.run_one(case, backend)`): the
     pytest plugin, one test item per case."""
-    return _Runner(root, config, timing)
+    return Runner(root, config, timing)
 
 
 def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
@@ -407,7 +407,7 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
     """
     t0 = time.perf_counter()
     backends, rows = resolve_backends(backend_names)
-    runner = _Runner(root, config, timing)
+    runner = Runner(root, config, timing)
     results = []
     total = len(cases) * len(backends)
     for case in cases:
