@@ -405,6 +405,21 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
     return Golden(case, path, meta, tensors)
 
 
+def metadata(case, kwargs: Mapping) -> dict[str, str]:
+    """The golden's metadata strings for `case`: schema version, block, case, config, seed, generator, kwargs."""
+    from .cases import GENERATOR_VERSION
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "block": case.block,
+        "case": case.name,
+        "config": case.config,
+        "seed": str(case.seed),
+        "generator_version": GENERATOR_VERSION,
+        "kwargs": json.dumps(dict(kwargs), sort_keys=True, separators=(",", ":")),
+    }
+
+
 def golden_problems(case, golden: Golden) -> list[str]:
     """How a readable golden differs in kind from what the generator makes for `case` (empty: it does not).
 
@@ -412,7 +427,7 @@ def golden_problems(case, golden: Golden) -> list[str]:
     shape, and where it holds NaN/Inf. Values are not compared (that is `k3conf regen --check`): this
     separates "the golden is wrong" from "the backend is wrong" when a case crashes or fails.
     """
-    from .cases import kind_of, metadata
+    from .cases import kind_of
 
     content = kind_of(case).generate(case)
     out = []
@@ -513,7 +528,7 @@ class RegenOutcome:
 
 def build_blob(case) -> bytes:
     """The golden bytes of `case`, computed from scratch by its kind (float64 k3ref)."""
-    from .cases import kind_of, metadata
+    from .cases import kind_of
 
     content = kind_of(case).generate(case)
     return encode(content.tensors, metadata(case, content.kwargs))

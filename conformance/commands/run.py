@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..cli import UsageError
+from . import UsageError
 
 
 def register(sub) -> None:
@@ -59,8 +59,8 @@ def run(args) -> int:
     from rich.progress import Progress
 
     from .. import report as rep
-    from ..backends import get_backend
-    from ..external import BackendError, check_cores, is_external
+    from ..backends import get_backend, is_external
+    from ..external import BackendError, check_cores
     from ..goldens import MANIFEST, default_root
     from ..runner import run as run_cases
 
