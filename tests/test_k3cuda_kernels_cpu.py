@@ -577,6 +577,7 @@ def test_emulation_catches_a_missing_barrier(emulated, tmp_path, monkeypatch, bl
     """The CPU emulation checks barrier discipline, not only indexing: a kernel with one barrier removed fails."""
     import dataclasses
 
+    from conformance.compare import check_outputs
     from k3cuda import kernel_module, testing
 
     mod = kernel_module(block)
@@ -588,5 +589,5 @@ def test_emulation_catches_a_missing_barrier(emulated, tmp_path, monkeypatch, bl
     case = mod.check_cases()[1]
     d = case.make_inputs(np.random.default_rng(17))
     ref = testing.reference_core(block)(**testing.to_float64(d))
-    fails = testing.check_outputs(block, getattr(mod, block)(**d), ref, tol("fp32_vs_fp64"))
+    fails = check_outputs(block, getattr(mod, block)(**d), ref, tol("fp32_vs_fp64"))
     assert fails, f"{block} without {line.strip()!r} still matched the reference on {case.label}"
