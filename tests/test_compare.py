@@ -120,7 +120,7 @@ def test_every_row_has_a_reason_and_a_known_precision():
 
 @pytest.mark.parametrize("block, tensor, precision, key", [
     pytest.param("kda_prefill", "o", "fp64", ("kda_prefill", "*", "fp64"), id="block-row"),
-    pytest.param("rmsnorm", "y", "fp32", ("*", "*", "fp32"), id="default-row"),
+    pytest.param("moe_route", "weights", "fp32", ("*", "*", "fp32"), id="default-row"),
     pytest.param("mla_decode", "o_lat", "fp32", ("mla_decode", "*", "fp32"), id="mla-fp32"),
 ])
 def test_gate_lookup_falls_back(block, tensor, precision, key):

@@ -1,8 +1,9 @@
 """GPU conformance of every k3cuda kernel against its k3ref core in float64 (marker `gpu`).
 
 Each test draws fixed-seed random inputs (never zeros), runs the kernel with its outputs poisoned with NaN,
-and compares every output with the float64 reference within the block's row of TOL. The `backend` fixture runs
-each such test twice: on the GPU (marker gpu; skipped with `k3cuda.available()`'s reason when there is none)
+and compares every output with the float64 reference within the cap of the block's fp32 row of
+conformance/gates.py (the table `k3conf run` gates the same kernels with). The `backend` fixture runs each such
+test twice: on the GPU (marker gpu; skipped with `k3cuda.available()`'s reason when there is none)
 and on the C++ CPU emulation of the same .cu source (k3cuda.testing.cpu_emulation), which checks the wrappers,
 the argument packing and the kernels' indexing and reductions on any machine with g++. The tests at the bottom
 check the harness itself and the torch baselines (on the CPU).
@@ -20,19 +21,8 @@ import pytest
 
 import k3cuda
 from conformance.compare import as_tuple, check_outputs
+from conformance.gates import gate_for
 from k3cuda import testing
-
-# block: (relative-RMS tolerance against float64, reason). One row per kernel.
-TOL: dict[str, tuple[float, str]] = {
-    "kda_decode": (1e-5, "fp32 state and math: decay, two 128-term column sums and an update per step, "
-                         "~1e-7 per op; o and the new state both checked"),
-    "rmsnorm": (1e-5, "fp32 sum of D <= 7168 squares (tree + serial, ~sqrt(D) ulp) and one exact sqrtf"),
-    "situ_glu": (1e-5, "elementwise fp32 with exact expf/tanhf (a few ulp each), no reduction"),
-    "mla_decode": (1e-5, "fp32 dot products over 576 and a softmax over <= a few hundred positions"),
-    "mxfp4_gemv": (1e-5, "MXFP4 codes and scales decode exactly in fp32; fp32 accumulation over K <= 7168"),
-    "attnres_mix": (1e-5, "fp32 RMS norms over D, a softmax over <= 9 sources (the kernel's limit) and a weighted sum"),
-}
-
 
 @pytest.fixture(scope="module")
 def gpu():
@@ -77,8 +67,11 @@ def _case(block: str, label: str):
 
 
 def _tol(block: str) -> float:
-    assert block in TOL, f"no tolerance row for {block}: add one to TOL in {__file__} with a reason"
-    return TOL[block][0]
+    """The cap of the block's fp32 row in conformance/gates.py: the bound `k3conf run` applies to the same kernel
+    (the baseline-relative part needs a baseline run, which these tests do not make)."""
+    key, gate = gate_for(block, "*", "fp32")
+    assert key[0] == block, f"no fp32 gate row of its own for {block}: add one to conformance/gates.py with a reason"
+    return gate.cap
 
 
 @pytest.mark.parametrize("block, label", _check_params())
@@ -190,9 +183,10 @@ def test_timers_measure_something(gpu):
 
 # ---- the harness, without a GPU -----------------------------------------------------------------------------
 
-def test_every_kernel_has_a_tolerance_row():
-    assert set(TOL) == set(k3cuda.KERNEL_MODULES)
-    assert all(reason for _, reason in TOL.values())
+@pytest.mark.parametrize("block", list(k3cuda.KERNEL_MODULES))
+def test_every_kernel_has_an_fp32_gate_row_with_a_reason(block):
+    key, gate = gate_for(block, "*", "fp32")
+    assert key == (block, "*", "fp32") and gate.reason.strip() and gate.cap == _tol(block)
 
 
 def test_check_outputs_names_the_worst_element_and_nan_positions():
