@@ -275,6 +275,7 @@ class Runner:
                                  baseline=base if base_s else None)
 
     def run_one(self, case: Case, backend) -> CaseResult:
+        """One case on one backend: run it, judge every output tensor by its gate row, then its speed."""
         t0 = time.perf_counter()
         res = CaseResult(case.name, case.block, backend.name, backend.precision, "pass")
         is_baseline = backend.name == gates.BASELINE.get(backend.precision)
@@ -290,19 +291,8 @@ class Runner:
         if isinstance(golden, GoldenError):
             res.status, res.error = "error", str(golden)
             return res
-        try:
-            outs = self.outputs(case, golden, backend)
-        except GoldenError as e:
-            res.status, res.error = "error", str(e)
-            return res
-        except UnsupportedShape as e:
-            res.status, res.error = "skip", f"unsupported by {backend.name}: {e}"
-            return res
-        except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            res.status = "error"
-            res.error = (self.golden_fault(case, golden)
-                         or f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
+        outs = self._outputs_or_status(case, golden, backend, res)
+        if outs is None:
             return res
         res.notes = [str(n) for n in outs.pop(NOTES_KEY, [])]
         info = outs.pop(INFO_KEY, {})
@@ -315,10 +305,42 @@ class Runner:
             return res
         if is_baseline:   # the baseline itself: no second run
             self.errors[(case.name, backend.name)] = _rel_errors(outs, golden)
+        res.tensors = self._judge_tensors(case, golden, backend, outs, info.get("tensor_notes", {}), is_baseline)
+        if any(not t.passed for t in res.tensors):
+            res.status = "fail"
+            fault = self.golden_fault(case, golden)
+            if fault:   # the golden, not the backend, is wrong: say so instead of blaming the backend
+                res.status, res.error = "error", fault
+        res.speed = self.speed(case, golden, backend)
+        if res.speed is not None and res.speed.passed is False and res.status == "pass":
+            res.status = "fail"
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def _outputs_or_status(self, case: Case, golden, backend, res: CaseResult) -> dict | None:
+        """The backend's outputs; None when it could not give them, with res's status and error saying why."""
+        try:
+            return self.outputs(case, golden, backend)
+        except GoldenError as e:
+            res.status, res.error = "error", str(e)
+        except UnsupportedShape as e:
+            res.status, res.error = "skip", f"unsupported by {backend.name}: {e}"
+        except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            res.status = "error"
+            res.error = (self.golden_fault(case, golden)
+                         or f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
+        return None
+
+    def _judge_tensors(self, case: Case, golden, backend, outs: dict, tensor_notes: dict,
+                       is_baseline: bool) -> list[TensorResult]:
+        """Each golden output against the backend's, by its gate row (and the baseline's error, below fp64)."""
+        kind = kind_of(case)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
         gated = getattr(kind, "is_gated", lambda c, t: True)
         gate_name = getattr(kind, "gate_tensor", lambda c, t: t)   # the name its gate rows are looked up by
-        tensor_notes = info.get("tensor_notes", {})
+        relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
+        results = []
         # name order = compute order (traces number their tensors so), whatever order the file lists them in
         for tensor, ref in sorted(golden.group("outputs").items()):
             block = kind.block_of(case, tensor)
@@ -330,24 +352,14 @@ class Runner:
                 cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
             else:
                 cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
-            relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
             b_err = None if base_errs is None or not relative else base_errs.get(tensor)
             verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline)
             m = _LAYER.search(tensor)
-            res.tensors.append(TensorResult(tensor, block, cmp, key, gate, verdict,
-                                            base_name if relative else None, b_err,
-                                            int(m.group(1)) if m else None, gated(case, tensor),
-                                            str(tensor_notes.get(tensor, ""))))
-        if any(not t.passed for t in res.tensors):
-            res.status = "fail"
-            fault = self.golden_fault(case, golden)
-            if fault:   # the golden, not the backend, is wrong: say so instead of blaming the backend
-                res.status, res.error = "error", fault
-        res.speed = self.speed(case, golden, backend)
-        if res.speed is not None and res.speed.passed is False and res.status == "pass":
-            res.status = "fail"
-        res.seconds = time.perf_counter() - t0
-        return res
+            results.append(TensorResult(tensor, block, cmp, key, gate, verdict,
+                                        base_name if relative else None, b_err,
+                                        int(m.group(1)) if m else None, gated(case, tensor),
+                                        str(tensor_notes.get(tensor, ""))))
+        return results
 
 
 def _rel_errors(outs: dict, golden) -> dict[str, float]:
