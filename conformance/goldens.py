@@ -641,6 +641,28 @@ def regenerate(cases, root: Path, *, check: bool = False, accept: bool = False,
 
 
 def _regenerate(cases, root: Path, check: bool, accept: bool, known) -> list[RegenOutcome]:
+    outcomes = _leftovers(root, check)
+    manifest = load_manifest(root)
+    files = manifest["files"]
+    staged: list[tuple[Staged, str, dict]] = []
+    relist: dict[str, dict | None] = {}   # manifest rows to rewrite (None: drop the row)
+    try:
+        for case in cases:
+            outcomes.append(_regenerate_case(case, root, files, check, accept, staged, relist))
+        if known is not None:
+            outcomes += _stale_entries(root, files, known, check, relist)
+        if check:
+            return outcomes
+        with _signals_deferred():
+            _commit(root, manifest, staged, relist)
+    finally:
+        for st, _, _ in staged:
+            st.discard()
+    return outcomes
+
+
+def _leftovers(root: Path, check: bool) -> list[RegenOutcome]:
+    """Temporary files an interrupted write left behind: reported under --check, removed otherwise."""
     outcomes = []
     for tmp in leftover_temps(root):
         rel = tmp.relative_to(root).as_posix()
@@ -649,51 +671,55 @@ def _regenerate(cases, root: Path, check: bool, accept: bool, known) -> list[Reg
         else:
             tmp.unlink(missing_ok=True)
             outcomes.append(RegenOutcome(rel, tmp, "removed"))
-    manifest = load_manifest(root)
-    files = manifest["files"]
-    staged: list[tuple[Staged, str, dict]] = []
-    relist: dict[str, dict] = {}
-    try:
-        for case in cases:
-            path = golden_path(root, case.name)
-            rel = path.relative_to(root).as_posix()
-            blob = build_blob(case)
-            old = path.read_bytes() if path.is_file() else None
-            status, drift = _compare(case, path, blob, old, check, accept)
-            entry = files.get(rel)
-            listed = entry["sha256"] if entry_problem(entry) is None else None
-            if check and status in ("unchanged", "rounding") and listed != hashlib.sha256(old).hexdigest():
-                # the file would be kept, but `run` reads it against the manifest and would reject it
-                status = "drift"
-                why = "malformed" if entry is not None and listed is None else "not listed"
-                drift = drift + [TensorDrift("MANIFEST.json", "changed", detail=f"sha256 of {rel} {why}")]
-            meta = decode(blob, str(path), "")[0]
-            if not check and status in ("new", "accepted"):
-                staged.append((Staged(path, blob), rel, manifest_entry(blob, meta)))
-            elif not check and status in ("unchanged", "rounding"):
-                relist[rel] = manifest_entry(old, meta)   # the file stays: list what is on disk
-            outcomes.append(RegenOutcome(case.name, path, status, drift))
-        if known is not None:
-            owned = {golden_path(root, name).relative_to(root).as_posix() for name in known}
-            for rel in sorted(set(files) - owned):
-                outcomes.append(RegenOutcome(rel, root / rel, "stale" if check else "pruned",
-                                             note="a manifest entry no case of this config owns"))
-                if not check:
-                    relist[rel] = None
-        if check:
-            return outcomes
-        with _signals_deferred():
-            for st, rel, entry in staged:
-                st.commit()
-                files[rel] = entry
-            for rel, entry in relist.items():
-                if entry is None:
-                    files.pop(rel, None)
-                else:
-                    files[rel] = entry
-            manifest["schema_version"] = SCHEMA_VERSION
-            save_manifest(root, manifest)
-    finally:
-        for st, _, _ in staged:
-            st.discard()
     return outcomes
+
+
+def _regenerate_case(case, root: Path, files: dict, check: bool, accept: bool,
+                     staged: list, relist: dict) -> RegenOutcome:
+    """Rebuild one golden and compare it with the file; a write is staged (not committed) in `staged`, a file
+    that stays is listed as it is on disk in `relist`."""
+    path = golden_path(root, case.name)
+    rel = path.relative_to(root).as_posix()
+    blob = build_blob(case)
+    old = path.read_bytes() if path.is_file() else None
+    status, drift = _compare(case, path, blob, old, check, accept)
+    entry = files.get(rel)
+    listed = entry["sha256"] if entry_problem(entry) is None else None
+    if check and status in ("unchanged", "rounding") and listed != hashlib.sha256(old).hexdigest():
+        # the file would be kept, but `run` reads it against the manifest and would reject it
+        status = "drift"
+        why = "malformed" if entry is not None and listed is None else "not listed"
+        drift = drift + [TensorDrift("MANIFEST.json", "changed", detail=f"sha256 of {rel} {why}")]
+    meta = decode(blob, str(path), "")[0]
+    if not check and status in ("new", "accepted"):
+        staged.append((Staged(path, blob), rel, manifest_entry(blob, meta)))
+    elif not check and status in ("unchanged", "rounding"):
+        relist[rel] = manifest_entry(old, meta)   # the file stays: list what is on disk
+    return RegenOutcome(case.name, path, status, drift)
+
+
+def _stale_entries(root: Path, files: dict, known, check: bool, relist: dict) -> list[RegenOutcome]:
+    """Manifest rows that no case of this config owns: reported under --check, dropped otherwise."""
+    outcomes = []
+    owned = {golden_path(root, name).relative_to(root).as_posix() for name in known}
+    for rel in sorted(set(files) - owned):
+        outcomes.append(RegenOutcome(rel, root / rel, "stale" if check else "pruned",
+                                     note="a manifest entry no case of this config owns"))
+        if not check:
+            relist[rel] = None
+    return outcomes
+
+
+def _commit(root: Path, manifest: dict, staged: list, relist: dict) -> None:
+    """Rename every staged golden into place, then write the manifest that lists them."""
+    files = manifest["files"]
+    for st, rel, entry in staged:
+        st.commit()
+        files[rel] = entry
+    for rel, entry in relist.items():
+        if entry is None:
+            files.pop(rel, None)
+        else:
+            files[rel] = entry
+    manifest["schema_version"] = SCHEMA_VERSION
+    save_manifest(root, manifest)
