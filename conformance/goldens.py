@@ -355,6 +355,14 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
         return GoldenError(f"{path}: {what}. Regenerate it with: {fix}")
 
     manifest = load_manifest(root) if manifest is None else manifest
+    blob = _listed_bytes(root, path, manifest, bad, fix)
+    meta, tensors = decode(blob, str(path), fix)
+    _check_contents(case, config, path, meta, tensors, bad)
+    return Golden(case, path, meta, tensors)
+
+
+def _listed_bytes(root: Path, path: Path, manifest: dict, bad, fix: str) -> bytes:
+    """The golden's bytes, once the file exists, has a well-formed manifest entry and matches its sha256."""
     rel = path.relative_to(root).as_posix()
     entry = manifest["files"].get(rel)
     try:
@@ -376,7 +384,11 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
     if sha != entry["sha256"]:
         raise bad(f"sha256 mismatch: manifest says {entry['sha256']}, file has {sha} ({len(blob)} bytes, "
                   f"manifest {entry['bytes']})")
-    meta, tensors = decode(blob, str(path), fix)
+    return blob
+
+
+def _check_contents(case: str, config: str, path: Path, meta: dict, tensors: dict, bad) -> None:
+    """Schema, metadata for this case and config, '<group>.<name>' tensors with float64 results, JSON kwargs."""
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         raise bad(f"unknown schema_version {version!r}, this reader knows {SCHEMA_VERSION!r}")
@@ -402,7 +414,6 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
         raise bad(e.what) from None
     if not isinstance(kwargs, dict):
         raise bad(f"metadata kwargs is {meta['kwargs']!r:.80}, expected a JSON object of the scalar arguments")
-    return Golden(case, path, meta, tensors)
 
 
 def metadata(case, kwargs: Mapping) -> dict[str, str]:
