@@ -31,7 +31,6 @@ DEVICE_BACKENDS may be unavailable under K3_STRICT=1 (they need an accelerator);
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from collections.abc import Callable
 
@@ -75,15 +74,9 @@ class NumpyBackend:
         return median_seconds(lambda: fn(**inputs), self.repeats)
 
     def copy_bandwidth(self) -> float:
+        from .speed import numpy_copy_bandwidth
+
         return numpy_copy_bandwidth()
-
-
-@functools.cache
-def numpy_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large np.copyto (read + write counted), measured once per process, best of `repeats`."""
-    from .speed import copy_bandwidth
-
-    return copy_bandwidth(nbytes, repeats)
 
 
 @dataclasses.dataclass
@@ -427,6 +420,13 @@ def register_backend(name: str, factory: Callable[[], object]) -> None:
     _CACHE.pop(name, None)
 
 
+def is_external(name: str) -> bool:
+    """True for a backend name that resolves outside this package: MODULE:ATTR or an installed entry point."""
+    from .external import entry_points, is_spec
+
+    return is_spec(name) or (name in entry_points() and name not in BACKENDS)
+
+
 def backend_names() -> list[str]:
     """Registered names (mutants excluded), in registry order, then the installed packages' entry points."""
     from .external import entry_points
@@ -452,9 +452,9 @@ def get_backend(name: str):
     elif name in BACKENDS or name in ON_REQUEST:
         backend = {**ON_REQUEST, **BACKENDS}[name]()
     elif external.is_spec(name):              # MODULE:ATTR: a backend defined outside the package
-        backend = external.load(name)
+        backend = external.load(name, reserved=BACKENDS)
     elif name in external.entry_points():     # an installed package's backend
-        backend = external.from_entry_point(name)
+        backend = external.from_entry_point(name, reserved=BACKENDS)
     else:
         raise KeyError(f"unknown backend {name!r}; known: {backend_names()}, mutant:<{'|'.join(MUTANTS)}> "
                        "or MODULE:ATTR (an external backend)")

@@ -24,7 +24,6 @@ import dataclasses
 import fnmatch
 import importlib
 import inspect
-import json
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -133,21 +132,6 @@ def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:
 
 def kind_of(case: Case) -> CaseKind:
     return KINDS[case.kind]
-
-
-def metadata(case: Case, kwargs: Mapping) -> dict[str, str]:
-    """The golden's metadata strings for `case`: schema version, block, case, config, seed, generator, kwargs."""
-    from .goldens import SCHEMA_VERSION
-
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "block": case.block,
-        "case": case.name,
-        "config": case.config,
-        "seed": str(case.seed),
-        "generator_version": GENERATOR_VERSION,
-        "kwargs": json.dumps(dict(kwargs), sort_keys=True, separators=(",", ":")),
-    }
 
 
 # --------------------------------------------------------------------------------------------------

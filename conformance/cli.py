@@ -7,12 +7,9 @@ import pkgutil
 import sys
 
 from . import __version__, commands
+from .commands import UsageError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Bad usage or unreadable input: printed without a traceback, exit 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,10 @@
 - the share of elements within tolerance, |out - ref| <= atol + rtol |ref| ("N of M passed");
 - a shape or dtype-kind mismatch (reported in `problem`, with the metrics left empty).
 Integer tensors (router indices, ...) are compared exactly: every element must be equal.
+
+`check_outputs(label, outs, refs, tol)` applies the same comparison with a relative-RMS tolerance to a kernel's
+outputs (the GPU tests and the kernels' CPU emulation use it): this module is the one comparison engine, so a
+kernel checked on a GPU and the same kernel gated by `k3conf run` follow one NaN/Inf rule.
 """
 from __future__ import annotations
 
@@ -140,3 +144,24 @@ def _compare_float(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float, d
                       worst_out=worst_out, worst_ref=worst_ref, n_within=int(within.sum()), n_total=int(ref.size),
                       nonfinite_mismatch=mismatch, first_nonfinite_mismatch=first)
 
+
+def as_tuple(result) -> tuple[np.ndarray, ...]:
+    """A core's result as a tuple of arrays (kda_decode returns two, the others one)."""
+    return tuple(np.asarray(r) for r in result) if isinstance(result, tuple) else (np.asarray(result),)
+
+
+def check_outputs(label: str, outs, refs, tol: float) -> list[str]:
+    """Failures (empty = pass) of each output against its float64 reference, naming `label` and the output.
+
+    An output fails when it is not comparable (shape or dtype), when a NaN/+Inf/-Inf sits elsewhere than in the
+    reference, or when its relative RMS error exceeds `tol`.
+    """
+    outs, refs = as_tuple(outs), as_tuple(refs)
+    if len(outs) != len(refs):
+        return [f"{label}: kernel returned {len(outs)} outputs, the reference {len(refs)}"]
+    fails = []
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        c = compare(o, r)
+        if c.problem or not c.nonfinite_ok or c.rel_rms > tol:
+            fails.append(f"{label} output {i} (tolerance rel_rms {tol:g}): {c.summary()}")
+    return fails

@@ -25,14 +25,14 @@ import inspect
 import os
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
 
 from k3ref.cores import CORE_NAMES, Cores, UnsupportedShape, reference_cores
 
-from .speed import median_seconds
+from .speed import median_seconds, numpy_copy_bandwidth
 
 PRECISIONS = ("fp64", "fp32", "bf16")
 ENTRY_POINT_GROUP = "k3conf.backends"
@@ -126,8 +126,6 @@ class Backend:
         """The host's copy bandwidth for a CPU backend; None elsewhere (no bandwidth ratio is claimed)."""
         if self.device != "cpu":
             return None
-        from .backends import numpy_copy_bandwidth
-
         return numpy_copy_bandwidth()
 
     def speed_target(self, block: str) -> float | None:
@@ -216,8 +214,10 @@ def is_backend(obj) -> bool:
     return isinstance(obj, Backend) or (not isinstance(obj, type) and all(hasattr(obj, a) for a in PROTOCOL))
 
 
-def as_backend(obj, origin: str):
-    """`obj` itself when it is a backend, else the backend `obj()` returns; BackendError naming `origin`."""
+def as_backend(obj, origin: str, reserved: Collection[str] = ()):
+    """`obj` itself when it is a backend, else the backend `obj()` returns; BackendError naming `origin`.
+
+    `reserved`: names an external backend may not take (the caller's registry of built-in backends)."""
     if not is_backend(obj):
         if not callable(obj):
             raise BackendError(f"{origin} is a {type(obj).__name__}, expected a conformance.Backend or a callable "
@@ -230,9 +230,7 @@ def as_backend(obj, origin: str):
             raise BackendError(f"{origin}() returned a {type(made).__name__}, expected a conformance.Backend "
                                f"(or an object with {', '.join(PROTOCOL)})")
         obj = made
-    from .backends import BACKENDS
-
-    if obj.name in BACKENDS or str(obj.name).startswith("mutant:"):
+    if obj.name in reserved or str(obj.name).startswith("mutant:"):
         raise BackendError(f"{origin}: the name {obj.name!r} is a built-in backend's; give yours another name")
     if obj.precision not in PRECISIONS:
         raise BackendError(f"{origin}: precision expected one of {PRECISIONS}, found {obj.precision!r}")
@@ -244,16 +242,10 @@ def is_spec(name: str) -> bool:
     return ":" in name and not name.startswith("mutant:")
 
 
-def is_external(name: str) -> bool:
-    """True for a backend name that resolves outside this package: MODULE:ATTR or an installed entry point."""
-    from .backends import BACKENDS
-
-    return is_spec(name) or (name in entry_points() and name not in BACKENDS)
-
-
-def load(spec: str):
+def load(spec: str, reserved: Collection[str] = ()):
     """The backend named by 'MODULE:ATTR', where MODULE is an importable module (the current directory
-    included) or a path to a .py file, and ATTR (dotted allowed) a Backend or a callable returning one."""
+    included) or a path to a .py file, and ATTR (dotted allowed) a Backend or a callable returning one.
+    `reserved`: names it may not take (see as_backend)."""
     module_part, _, attr = spec.rpartition(":")
     if not module_part or not attr:
         raise BackendError(f"backend {spec!r}: expected MODULE:ATTR, e.g. my_kernels.k3:make or ./my_backend.py:make")
@@ -265,7 +257,7 @@ def load(spec: str):
             raise BackendError(f"backend {spec!r}: {module.__name__} ({getattr(module, '__file__', '?')}) has no "
                                f"attribute {attr!r}; its callables: {defined}")
         obj = getattr(obj, part)
-    return as_backend(obj, spec)
+    return as_backend(obj, spec, reserved)
 
 
 def _import(module_part: str):
@@ -328,12 +320,13 @@ def entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return found
 
 
-def from_entry_point(name: str):
-    """The backend of entry point `name`, or an Unloadable carrying why it could not be built."""
+def from_entry_point(name: str, reserved: Collection[str] = ()):
+    """The backend of entry point `name`, or an Unloadable carrying why it could not be built.
+    `reserved`: names it may not take (see as_backend)."""
     ep = entry_points()[name]
     origin = f"entry point {name} = {ep.value}"
     try:
-        backend = as_backend(ep.load(), origin)
+        backend = as_backend(ep.load(), origin, reserved)
     except Exception as e:  # noqa: BLE001 - a broken installed package must not break listing or running others
         return Unloadable(name, f"{type(e).__name__}: {e}" if not isinstance(e, BackendError) else str(e))
     if backend.name != name:

@@ -59,6 +59,21 @@ GATES: dict[tuple[str, str, str], Gate] = {
     ("*", "*", "fp64"): Gate(1e-12, None, 0.0, 1e-12, 1e-9, _FP64),
     ("*", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3, _FP32 + "; cap = ~1e-7/op over <=100 ops"),
     ("*", "*", "bf16"): Gate(3e-2, 2.5, 0.0, 1e-2, 5e-2, _BF16 + "; cap = a few bf16 ulps (2^-8) of error"),
+    # the CUDA kernels' blocks at fp32 (the kernels' GPU tests apply these caps too, against float64): the
+    # default numbers, each with what bounds that kernel's error
+    ("kda_decode", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                      _FP32 + "; fp32 state and math: decay, two K-term column sums and an update "
+                                      "per step, ~1e-7 per op; o and the new state both checked"),
+    ("rmsnorm", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                   _FP32 + "; a sum of D <= 7168 squares (tree + serial, ~sqrt(D) ulp) and one "
+                                   "exact sqrt"),
+    ("situ_glu", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                    _FP32 + "; elementwise with exact exp/tanh (a few ulp each), no reduction"),
+    ("attnres_mix", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                       _FP32 + "; RMS norms over D, a softmax over <= 9 sources and a weighted sum"),
+    ("mxfp4_gemv", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
+                                      _FP32 + "; MXFP4 codes and scales decode exactly in fp32; fp32 accumulation "
+                                      "over K <= 7168"),
     # KDA: the recurrence carries state over T steps; the chunked prefill uses a WY/UT triangular solve
     ("kda_prefill", "*", "fp64"): Gate(1e-10, None, 0.0, 1e-10, 1e-8,
                                        _FP64 + "; chunked WY solve over T<=65 steps reorders sums"),

@@ -355,6 +355,14 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
         return GoldenError(f"{path}: {what}. Regenerate it with: {fix}")
 
     manifest = load_manifest(root) if manifest is None else manifest
+    blob = _listed_bytes(root, path, manifest, bad, fix)
+    meta, tensors = decode(blob, str(path), fix)
+    _check_contents(case, config, path, meta, tensors, bad)
+    return Golden(case, path, meta, tensors)
+
+
+def _listed_bytes(root: Path, path: Path, manifest: dict, bad, fix: str) -> bytes:
+    """The golden's bytes, once the file exists, has a well-formed manifest entry and matches its sha256."""
     rel = path.relative_to(root).as_posix()
     entry = manifest["files"].get(rel)
     try:
@@ -376,7 +384,11 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
     if sha != entry["sha256"]:
         raise bad(f"sha256 mismatch: manifest says {entry['sha256']}, file has {sha} ({len(blob)} bytes, "
                   f"manifest {entry['bytes']})")
-    meta, tensors = decode(blob, str(path), fix)
+    return blob
+
+
+def _check_contents(case: str, config: str, path: Path, meta: dict, tensors: dict, bad) -> None:
+    """Schema, metadata for this case and config, '<group>.<name>' tensors with float64 results, JSON kwargs."""
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         raise bad(f"unknown schema_version {version!r}, this reader knows {SCHEMA_VERSION!r}")
@@ -402,7 +414,21 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
         raise bad(e.what) from None
     if not isinstance(kwargs, dict):
         raise bad(f"metadata kwargs is {meta['kwargs']!r:.80}, expected a JSON object of the scalar arguments")
-    return Golden(case, path, meta, tensors)
+
+
+def metadata(case, kwargs: Mapping) -> dict[str, str]:
+    """The golden's metadata strings for `case`: schema version, block, case, config, seed, generator, kwargs."""
+    from .cases import GENERATOR_VERSION
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "block": case.block,
+        "case": case.name,
+        "config": case.config,
+        "seed": str(case.seed),
+        "generator_version": GENERATOR_VERSION,
+        "kwargs": json.dumps(dict(kwargs), sort_keys=True, separators=(",", ":")),
+    }
 
 
 def golden_problems(case, golden: Golden) -> list[str]:
@@ -412,7 +438,7 @@ def golden_problems(case, golden: Golden) -> list[str]:
     shape, and where it holds NaN/Inf. Values are not compared (that is `k3conf regen --check`): this
     separates "the golden is wrong" from "the backend is wrong" when a case crashes or fails.
     """
-    from .cases import kind_of, metadata
+    from .cases import kind_of
 
     content = kind_of(case).generate(case)
     out = []
@@ -513,7 +539,7 @@ class RegenOutcome:
 
 def build_blob(case) -> bytes:
     """The golden bytes of `case`, computed from scratch by its kind (float64 k3ref)."""
-    from .cases import kind_of, metadata
+    from .cases import kind_of
 
     content = kind_of(case).generate(case)
     return encode(content.tensors, metadata(case, content.kwargs))
@@ -626,6 +652,28 @@ def regenerate(cases, root: Path, *, check: bool = False, accept: bool = False,
 
 
 def _regenerate(cases, root: Path, check: bool, accept: bool, known) -> list[RegenOutcome]:
+    outcomes = _leftovers(root, check)
+    manifest = load_manifest(root)
+    files = manifest["files"]
+    staged: list[tuple[Staged, str, dict]] = []
+    relist: dict[str, dict | None] = {}   # manifest rows to rewrite (None: drop the row)
+    try:
+        for case in cases:
+            outcomes.append(_regenerate_case(case, root, files, check, accept, staged, relist))
+        if known is not None:
+            outcomes += _stale_entries(root, files, known, check, relist)
+        if check:
+            return outcomes
+        with _signals_deferred():
+            _commit(root, manifest, staged, relist)
+    finally:
+        for st, _, _ in staged:
+            st.discard()
+    return outcomes
+
+
+def _leftovers(root: Path, check: bool) -> list[RegenOutcome]:
+    """Temporary files an interrupted write left behind: reported under --check, removed otherwise."""
     outcomes = []
     for tmp in leftover_temps(root):
         rel = tmp.relative_to(root).as_posix()
@@ -634,51 +682,55 @@ def _regenerate(cases, root: Path, check: bool, accept: bool, known) -> list[Reg
         else:
             tmp.unlink(missing_ok=True)
             outcomes.append(RegenOutcome(rel, tmp, "removed"))
-    manifest = load_manifest(root)
-    files = manifest["files"]
-    staged: list[tuple[Staged, str, dict]] = []
-    relist: dict[str, dict] = {}
-    try:
-        for case in cases:
-            path = golden_path(root, case.name)
-            rel = path.relative_to(root).as_posix()
-            blob = build_blob(case)
-            old = path.read_bytes() if path.is_file() else None
-            status, drift = _compare(case, path, blob, old, check, accept)
-            entry = files.get(rel)
-            listed = entry["sha256"] if entry_problem(entry) is None else None
-            if check and status in ("unchanged", "rounding") and listed != hashlib.sha256(old).hexdigest():
-                # the file would be kept, but `run` reads it against the manifest and would reject it
-                status = "drift"
-                why = "malformed" if entry is not None and listed is None else "not listed"
-                drift = drift + [TensorDrift("MANIFEST.json", "changed", detail=f"sha256 of {rel} {why}")]
-            meta = decode(blob, str(path), "")[0]
-            if not check and status in ("new", "accepted"):
-                staged.append((Staged(path, blob), rel, manifest_entry(blob, meta)))
-            elif not check and status in ("unchanged", "rounding"):
-                relist[rel] = manifest_entry(old, meta)   # the file stays: list what is on disk
-            outcomes.append(RegenOutcome(case.name, path, status, drift))
-        if known is not None:
-            owned = {golden_path(root, name).relative_to(root).as_posix() for name in known}
-            for rel in sorted(set(files) - owned):
-                outcomes.append(RegenOutcome(rel, root / rel, "stale" if check else "pruned",
-                                             note="a manifest entry no case of this config owns"))
-                if not check:
-                    relist[rel] = None
-        if check:
-            return outcomes
-        with _signals_deferred():
-            for st, rel, entry in staged:
-                st.commit()
-                files[rel] = entry
-            for rel, entry in relist.items():
-                if entry is None:
-                    files.pop(rel, None)
-                else:
-                    files[rel] = entry
-            manifest["schema_version"] = SCHEMA_VERSION
-            save_manifest(root, manifest)
-    finally:
-        for st, _, _ in staged:
-            st.discard()
     return outcomes
+
+
+def _regenerate_case(case, root: Path, files: dict, check: bool, accept: bool,
+                     staged: list, relist: dict) -> RegenOutcome:
+    """Rebuild one golden and compare it with the file; a write is staged (not committed) in `staged`, a file
+    that stays is listed as it is on disk in `relist`."""
+    path = golden_path(root, case.name)
+    rel = path.relative_to(root).as_posix()
+    blob = build_blob(case)
+    old = path.read_bytes() if path.is_file() else None
+    status, drift = _compare(case, path, blob, old, check, accept)
+    entry = files.get(rel)
+    listed = entry["sha256"] if entry_problem(entry) is None else None
+    if check and status in ("unchanged", "rounding") and listed != hashlib.sha256(old).hexdigest():
+        # the file would be kept, but `run` reads it against the manifest and would reject it
+        status = "drift"
+        why = "malformed" if entry is not None and listed is None else "not listed"
+        drift = drift + [TensorDrift("MANIFEST.json", "changed", detail=f"sha256 of {rel} {why}")]
+    meta = decode(blob, str(path), "")[0]
+    if not check and status in ("new", "accepted"):
+        staged.append((Staged(path, blob), rel, manifest_entry(blob, meta)))
+    elif not check and status in ("unchanged", "rounding"):
+        relist[rel] = manifest_entry(old, meta)   # the file stays: list what is on disk
+    return RegenOutcome(case.name, path, status, drift)
+
+
+def _stale_entries(root: Path, files: dict, known, check: bool, relist: dict) -> list[RegenOutcome]:
+    """Manifest rows that no case of this config owns: reported under --check, dropped otherwise."""
+    outcomes = []
+    owned = {golden_path(root, name).relative_to(root).as_posix() for name in known}
+    for rel in sorted(set(files) - owned):
+        outcomes.append(RegenOutcome(rel, root / rel, "stale" if check else "pruned",
+                                     note="a manifest entry no case of this config owns"))
+        if not check:
+            relist[rel] = None
+    return outcomes
+
+
+def _commit(root: Path, manifest: dict, staged: list, relist: dict) -> None:
+    """Rename every staged golden into place, then write the manifest that lists them."""
+    files = manifest["files"]
+    for st, rel, entry in staged:
+        st.commit()
+        files[rel] = entry
+    for rel, entry in relist.items():
+        if entry is None:
+            files.pop(rel, None)
+        else:
+            files[rel] = entry
+    manifest["schema_version"] = SCHEMA_VERSION
+    save_manifest(root, manifest)

@@ -46,9 +46,9 @@ class ConformanceSession:
     def __init__(self, config, spec: str):
         from pathlib import Path
 
-        from .backends import get_backend
+        from .backends import get_backend, is_external
         from .cases import all_cases, select
-        from .external import BackendError, check_cores, is_external
+        from .external import BackendError, check_cores
         from .goldens import MANIFEST, default_root
         from .runner import case_runner
 

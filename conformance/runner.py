@@ -38,7 +38,7 @@ from .cases import INFO_KEY, NOTES_KEY, Case, kind_of
 from .compare import Comparison, compare
 from .goldens import GoldenError, golden_problems, load_manifest, read_golden, regen_command
 
-# The speed baseline is PyTorch eager doing the same math at the same precision (issue 5): on the CPU numpy
+# The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.
 TIME_BASELINE = {"fp64": "torch64", "fp32": "torch", "bf16": "torch-bf16"}
 _LAYER = re.compile(r"layer[._-]?(\d+)")
@@ -189,7 +189,7 @@ class RunReport:
         }
 
 
-class _Runner:
+class Runner:
     """Holds the per-run caches: goldens, baseline errors and timings."""
 
     def __init__(self, root: Path, config: str, timing: bool):
@@ -275,6 +275,7 @@ class _Runner:
                                  baseline=base if base_s else None)
 
     def run_one(self, case: Case, backend) -> CaseResult:
+        """One case on one backend: run it, judge every output tensor by its gate row, then its speed."""
         t0 = time.perf_counter()
         res = CaseResult(case.name, case.block, backend.name, backend.precision, "pass")
         is_baseline = backend.name == gates.BASELINE.get(backend.precision)
@@ -290,19 +291,8 @@ class _Runner:
         if isinstance(golden, GoldenError):
             res.status, res.error = "error", str(golden)
             return res
-        try:
-            outs = self.outputs(case, golden, backend)
-        except GoldenError as e:
-            res.status, res.error = "error", str(e)
-            return res
-        except UnsupportedShape as e:
-            res.status, res.error = "skip", f"unsupported by {backend.name}: {e}"
-            return res
-        except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            res.status = "error"
-            res.error = (self.golden_fault(case, golden)
-                         or f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
+        outs = self._outputs_or_status(case, golden, backend, res)
+        if outs is None:
             return res
         res.notes = [str(n) for n in outs.pop(NOTES_KEY, [])]
         info = outs.pop(INFO_KEY, {})
@@ -315,10 +305,42 @@ class _Runner:
             return res
         if is_baseline:   # the baseline itself: no second run
             self.errors[(case.name, backend.name)] = _rel_errors(outs, golden)
+        res.tensors = self._judge_tensors(case, golden, backend, outs, info.get("tensor_notes", {}), is_baseline)
+        if any(not t.passed for t in res.tensors):
+            res.status = "fail"
+            fault = self.golden_fault(case, golden)
+            if fault:   # the golden, not the backend, is wrong: say so instead of blaming the backend
+                res.status, res.error = "error", fault
+        res.speed = self.speed(case, golden, backend)
+        if res.speed is not None and res.speed.passed is False and res.status == "pass":
+            res.status = "fail"
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def _outputs_or_status(self, case: Case, golden, backend, res: CaseResult) -> dict | None:
+        """The backend's outputs; None when it could not give them, with res's status and error saying why."""
+        try:
+            return self.outputs(case, golden, backend)
+        except GoldenError as e:
+            res.status, res.error = "error", str(e)
+        except UnsupportedShape as e:
+            res.status, res.error = "skip", f"unsupported by {backend.name}: {e}"
+        except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            res.status = "error"
+            res.error = (self.golden_fault(case, golden)
+                         or f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
+        return None
+
+    def _judge_tensors(self, case: Case, golden, backend, outs: dict, tensor_notes: dict,
+                       is_baseline: bool) -> list[TensorResult]:
+        """Each golden output against the backend's, by its gate row (and the baseline's error, below fp64)."""
+        kind = kind_of(case)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
         gated = getattr(kind, "is_gated", lambda c, t: True)
         gate_name = getattr(kind, "gate_tensor", lambda c, t: t)   # the name its gate rows are looked up by
-        tensor_notes = info.get("tensor_notes", {})
+        relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
+        results = []
         # name order = compute order (traces number their tensors so), whatever order the file lists them in
         for tensor, ref in sorted(golden.group("outputs").items()):
             block = kind.block_of(case, tensor)
@@ -330,24 +352,14 @@ class _Runner:
                 cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
             else:
                 cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
-            relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
             b_err = None if base_errs is None or not relative else base_errs.get(tensor)
             verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline)
             m = _LAYER.search(tensor)
-            res.tensors.append(TensorResult(tensor, block, cmp, key, gate, verdict,
-                                            base_name if relative else None, b_err,
-                                            int(m.group(1)) if m else None, gated(case, tensor),
-                                            str(tensor_notes.get(tensor, ""))))
-        if any(not t.passed for t in res.tensors):
-            res.status = "fail"
-            fault = self.golden_fault(case, golden)
-            if fault:   # the golden, not the backend, is wrong: say so instead of blaming the backend
-                res.status, res.error = "error", fault
-        res.speed = self.speed(case, golden, backend)
-        if res.speed is not None and res.speed.passed is False and res.status == "pass":
-            res.status = "fail"
-        res.seconds = time.perf_counter() - t0
-        return res
+            results.append(TensorResult(tensor, block, cmp, key, gate, verdict,
+                                        base_name if relative else None, b_err,
+                                        int(m.group(1)) if m else None, gated(case, tensor),
+                                        str(tensor_notes.get(tensor, ""))))
+        return results
 
 
 def _rel_errors(outs: dict, golden) -> dict[str, float]:
@@ -363,10 +375,10 @@ def _rel_errors(outs: dict, golden) -> dict[str, float]:
     return errs
 
 
-def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> _Runner:
+def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> Runner:
     """A runner with empty caches for callers that run cases one at a time (`.run_one(case, backend)`): the
     pytest plugin, one test item per case."""
-    return _Runner(root, config, timing)
+    return Runner(root, config, timing)
 
 
 def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
@@ -407,7 +419,7 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
     """
     t0 = time.perf_counter()
     backends, rows = resolve_backends(backend_names)
-    runner = _Runner(root, config, timing)
+    runner = Runner(root, config, timing)
     results = []
     total = len(cases) * len(backends)
     for case in cases:

@@ -6,6 +6,7 @@ one run: these machines are shared and noisy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import re
 import statistics
@@ -126,3 +127,9 @@ def one_blas_thread():
         yield f"OpenBLAS on 1 thread (was {before})"
     finally:
         fns[0](before)
+
+
+@functools.cache
+def numpy_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large np.copyto (read + write counted), measured once per process, best of `repeats`."""
+    return copy_bandwidth(nbytes, repeats)

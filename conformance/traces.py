@@ -142,7 +142,7 @@ class _RouterTap:
         return np.where(near[:, None], gw, w), np.where(near[:, None], gold, np.asarray(idx))
 
 
-class _Stepper:
+class Stepper:
     """Runs the steps of a trace (the prefill, then one per decoded token), optionally feeding each layer its
     golden input state."""
 
@@ -220,7 +220,7 @@ def _snapshot_layer(snap: dict, key: str, hub, cache, seq: int, layer: int) -> N
             snap[f"inter.{key}.kda.{f}"] = np.asarray(getattr(st, f))
 
 
-class _GoldenFeed:
+class GoldenFeed:
     """Replaces a layer's input state with the golden one (layer-by-layer mode)."""
 
     def __init__(self, inter: dict[str, np.ndarray], precision: str):
@@ -255,7 +255,7 @@ class _GoldenFeed:
             cache.set_kda_state(layer, seq, KdaState(f["conv_q"], f["conv_k"], f["conv_v"], f["recurrent"]))
 
 
-def _guard_kernels(cores, kernel_names):
+def guard_kernels(cores, kernel_names):
     """The backend's cores with each of its kernel cores falling back to the reference core on UnsupportedShape;
     returns (cores, calls, fallbacks): calls[name] counts the calls of each kernel core, fallbacks[name] =
     [count, first reason] for those that fell back."""
@@ -303,7 +303,7 @@ class TraceKind:
         tokens = np.array(prompt + new, dtype=np.int64)
         snapshot: dict[str, np.ndarray] = {}
         tap = _RouterTap(reference_cores().moe_route)
-        outputs = _Stepper(model, reference_cores(), tap=tap, prompt_len=len(prompt)).run(tokens, snapshot)
+        outputs = Stepper(model, reference_cores(), tap=tap, prompt_len=len(prompt)).run(tokens, snapshot)
         margins = {f"argmax.step{s}.margin": np.array([argmax_margin(outputs[f"step{s}.logits"])])
                    for s in range(decode + 1)}
         tensors = {"inputs.tokens": tokens, **{f"weights.{k}": _stored(v) for k, v in weights.items()},
@@ -336,11 +336,11 @@ class TraceKind:
         p = backend.precision
         model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), _compute_dtype(p))
         inter = golden.group("inter")
-        feed = _GoldenFeed(inter, p) if golden.kwargs["mode"] == "layerwise" else None
+        feed = GoldenFeed(inter, p) if golden.kwargs["mode"] == "layerwise" else None
         own = backends.kernel_cores(backend)
-        cores, calls, fallbacks = _guard_kernels(backend.cores(), own)
+        cores, calls, fallbacks = guard_kernels(backend.cores(), own)
         tap = _RouterTap(cores.moe_route, inter, budgets.get("router", 0.0))
-        out = _Stepper(model, cores, feed, tap, prompt_len).run(golden.group("inputs")["tokens"])
+        out = Stepper(model, cores, feed, tap, prompt_len).run(golden.group("inputs")["tokens"])
         info = {"teacher_forced": {"router": tap.forced, "argmax": 0}, "flips": [], "tensor_notes": {}}
         self._judge_tokens(golden, out, budgets.get("argmax", 0.0), info)
         notes = [f"{core}: k3ref's reference core ran (not a kernel core of {backend.name})"

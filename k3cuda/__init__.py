@@ -44,7 +44,7 @@ def available() -> tuple[bool, str]:
         import pycuda  # noqa: F401
     except ImportError as e:
         return False, (f"pycuda is not installed ({e}); pip install '.[cuda]', or on a machine without network "
-                       "carry the wheel built by tools/build_pycuda_wheel.sh")
+                       "install the wheel that tools/build_pycuda_wheel.sh builds into .whl/")
     try:
         import pycuda.driver as cuda
     except ImportError as e:

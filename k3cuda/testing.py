@@ -1,13 +1,12 @@
-"""Helpers shared by the GPU tests (tests/test_k3cuda_gpu.py) and tools/gpu_bench.py. No GPU needed to import.
+"""Helpers shared by the GPU tests (tests/test_k3cuda_gpu.py) and tools/gpu_bench.py, and the kernels' CPU
+emulation. No GPU needed to import.
 
-A kernel is checked against its k3ref core run in float64 on the same inputs: every output must be finite
-where the reference is (outputs are poisoned with NaN before launch, so an unwritten element shows up here)
-and within a relative-RMS tolerance.
+A kernel is checked against its k3ref core run in float64 on the same inputs (`reference_core`, `to_float64`);
+the comparison itself is conformance.compare's (`check_outputs`), the one engine that `k3conf run` uses too.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import zlib
 
 import numpy as np
@@ -31,76 +30,9 @@ def to_float64(inputs: dict) -> dict:
     return out
 
 
-def as_tuple(result) -> tuple[np.ndarray, ...]:
-    """A core's result as a tuple of arrays (kda_decode returns two, the others one)."""
-    return tuple(np.asarray(r) for r in result) if isinstance(result, tuple) else (np.asarray(result),)
-
-
 def case_seed(label: str) -> int:
     """A fixed seed per case label (stable across runs and machines)."""
     return zlib.crc32(label.encode())
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """How one output compares with its float64 reference (FlashMLA-style: positions, worst element)."""
-
-    rel_rms: float          # ||out - ref|| / ||ref|| over the elements finite in both
-    max_abs: float
-    worst_index: tuple      # where |out - ref| is largest (or the first non-finite mismatch)
-    worst_out: float
-    worst_ref: float
-    nonfinite_mismatch: int  # elements finite in ref but not in out, or the other way round
-    size: int
-
-    def ok(self, tol: float) -> bool:
-        return self.nonfinite_mismatch == 0 and self.rel_rms <= tol
-
-    def describe(self) -> str:
-        return (f"rel_rms {self.rel_rms:.3e}, max_abs {self.max_abs:.3e}, worst at {self.worst_index}: "
-                f"out {self.worst_out!r} vs ref {self.worst_ref!r}, "
-                f"{self.nonfinite_mismatch} of {self.size} NaN/Inf position mismatches")
-
-
-def compare(out, ref) -> Comparison:
-    """Compare out with ref (shapes must agree; a shape mismatch raises ValueError naming both)."""
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    if out.shape != ref.shape:
-        raise ValueError(f"output shape {out.shape}, reference shape {ref.shape}")
-    fin_o, fin_r = np.isfinite(out), np.isfinite(ref)
-    mismatch = fin_o != fin_r
-    both = fin_o & fin_r
-    diff = np.where(both, np.abs(out - ref), 0.0)
-    den = max(float(np.linalg.norm(np.where(both, ref, 0.0))), np.finfo(np.float64).tiny)
-    rel = float(np.linalg.norm(diff) / den)
-    if mismatch.any():
-        idx = tuple(int(i) for i in np.argwhere(mismatch)[0])
-    elif out.size:
-        idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), out.shape))
-    else:
-        idx = ()
-    return Comparison(rel_rms=rel, max_abs=float(diff.max()) if out.size else 0.0, worst_index=idx,
-                      worst_out=float(out[idx]) if out.size else float("nan"),
-                      worst_ref=float(ref[idx]) if out.size else float("nan"),
-                      nonfinite_mismatch=int(mismatch.sum()), size=int(out.size))
-
-
-def check_outputs(block: str, outs, refs, tol: float) -> list[str]:
-    """Failures (empty = pass) of each output against its reference, naming the block and output index."""
-    outs, refs = as_tuple(outs), as_tuple(refs)
-    if len(outs) != len(refs):
-        return [f"{block}: kernel returned {len(outs)} outputs, the reference {len(refs)}"]
-    fails = []
-    for i, (o, r) in enumerate(zip(outs, refs)):
-        try:
-            c = compare(o, r)
-        except ValueError as e:
-            fails.append(f"{block} output {i}: {e}")
-            continue
-        if not c.ok(tol):
-            fails.append(f"{block} output {i} (tolerance rel_rms {tol:g}): {c.describe()}")
-    return fails
 
 
 # ---- CPU emulation of the kernels (for machines without a GPU) --------------------------------------------

@@ -254,31 +254,56 @@ _LAYER_KINDS = {"kda": False, "linear_attention": False, "mla": True, "attention
 
 def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
     """Map a published / flat config dict to K3Config keyword arguments (see K3Config.from_json)."""
+    raw = _text_config(raw)
+    out, lac = _named_fields(raw)
+    _check_router_and_kv_heads(raw, out)
+    _layer_kinds(raw, lac, out)
+    if "a_log_size" not in out and is_int(out.get("kda_num_heads")):
+        out["a_log_size"] = max(128, out["kda_num_heads"])   # K3 pads A_log to 128
+    missing = sorted(f.name for f in dataclasses.fields(K3Config)
+                     if f.default is dataclasses.MISSING and f.name not in out)
+    if missing:
+        raise ValueError(f"config: missing required field(s) {missing} (published or flat spelling)")
+    return out
+
+
+def _text_config(raw: dict[str, Any]) -> Mapping:
+    """The text model's part of a published multimodal config (`text_config`), or `raw` itself."""
     if "text_config" in raw:
         raw = raw["text_config"]
         if not isinstance(raw, Mapping):
             raise ValueError(f"config: text_config must be an object, found {type(raw).__name__}")
+    return raw
+
+
+def _put(out: dict[str, Any], field: str, value: Any, key: str) -> None:
+    """Set `field` from config key `key`; two spellings of one field must agree."""
+    if field in out and out[field] != value:
+        raise ValueError(f"config: {key}={value!r} disagrees with another spelling of {field} ({out[field]!r})")
+    out[field] = value
+
+
+def _named_fields(raw: Mapping) -> tuple[dict[str, Any], Mapping]:
+    """The fields given by name (flat, published or inside linear_attn_config), and linear_attn_config."""
     names = {f.name for f in dataclasses.fields(K3Config)}
     out: dict[str, Any] = {}
-
-    def put(field: str, value: Any, key: str) -> None:
-        if field in out and out[field] != value:
-            raise ValueError(f"config: {key}={value!r} disagrees with another spelling of {field} ({out[field]!r})")
-        out[field] = value
-
     published = {v: k for k, v in _PUBLISHED_NAME.items()}
     for key, value in raw.items():
         if key in names:
-            put(key, value, key)
+            _put(out, key, value, key)
         elif key in published:
-            put(published[key], value, key)
+            _put(out, published[key], value, key)
     lac = raw.get("linear_attn_config") or {}
     if not isinstance(lac, Mapping):
         raise ValueError(f"config: linear_attn_config must be an object, found {type(lac).__name__}")
     for key, field in _LINEAR_ATTN_KEYS.items():
         if key in lac:
-            put(field, lac[key], f"linear_attn_config.{key}")
+            _put(out, field, lac[key], f"linear_attn_config.{key}")
+    return out, lac
 
+
+def _check_router_and_kv_heads(raw: Mapping, out: dict[str, Any]) -> None:
+    """Published keys K3 does not store but fixes: a sigmoid router, and key/value heads that divide the heads."""
     if raw.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ValueError(f"config: moe_router_activation_func: expected 'sigmoid' (K3), "
                          f"found {raw['moe_router_activation_func']!r}")
@@ -289,8 +314,11 @@ def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
     if kvh is not None and is_int(heads) and heads % kvh:
         raise ValueError(f"config: num_attention_heads={heads} is not divisible by num_key_value_heads={kvh}")
 
+
+def _layer_kinds(raw: Mapping, lac: Mapping, out: dict[str, Any]) -> None:
+    """full_attn_layers from the other spellings of the layer kinds (layer_types, kda_layers), checked against
+    num_hidden_layers: every layer has exactly one kind."""
     layers = out.get("num_hidden_layers")
-    kda_layers = lac.get("kda_layers", raw.get("kda_layers"))
     if "layer_types" in raw:
         kinds = raw["layer_types"]
         if not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
@@ -299,38 +327,37 @@ def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
         if unknown:
             raise ValueError(f"config: unknown layer kind(s) {unknown} in layer_types; expected some of "
                              f"{sorted(_LAYER_KINDS)}")
-        put("full_attn_layers", [i + 1 for i, k in enumerate(kinds) if _LAYER_KINDS[k]], "layer_types")
+        _put(out, "full_attn_layers", [i + 1 for i, k in enumerate(kinds) if _LAYER_KINDS[k]], "layer_types")
         if layers is not None and len(kinds) != layers:
             raise ValueError(f"config: layer_types has {len(kinds)} entries, num_hidden_layers is {layers}")
+    kda_layers = lac.get("kda_layers", raw.get("kda_layers"))
     if kda_layers is not None:
-        if not (isinstance(kda_layers, list) and all(is_int(i) for i in kda_layers)):
-            raise ValueError(f"config: kda_layers must be a list of ints (1-indexed layers), found {kda_layers!r:.80}")
-        if not is_int(layers):
-            raise ValueError(f"config: kda_layers given without an int num_hidden_layers (found {layers!r:.40})")
-        kda = list(kda_layers)
-        if "full_attn_layers" not in out:
-            out["full_attn_layers"] = [i for i in range(1, layers + 1) if i not in set(kda)]
-        fal = out["full_attn_layers"]
-        if not (isinstance(fal, (list, tuple)) and all(is_int(i) for i in fal)):
-            raise ValueError(f"config: full_attn_layers must be a list of ints (1-indexed layers), found {fal!r:.80}")
-        full = set(fal)
-        both = sorted(full & set(kda))
-        if both:
-            raise ValueError(f"config: layer(s) {both} (1-indexed) are in both full_attn_layers and kda_layers")
-        neither = sorted(set(range(1, layers + 1)) - full - set(kda))
-        if neither:
-            raise ValueError(f"config: layer(s) {neither} (1-indexed) have no known kind: in neither "
-                             f"full_attn_layers (MLA) nor kda_layers (KDA)")
-        extra = sorted(i for i in kda if not 1 <= i <= layers)
-        if extra:
-            raise ValueError(f"config: kda_layers {extra} out of range 1..{layers}")
-    if "a_log_size" not in out and is_int(out.get("kda_num_heads")):
-        out["a_log_size"] = max(128, out["kda_num_heads"])   # K3 pads A_log to 128
-    missing = sorted(f.name for f in dataclasses.fields(K3Config)
-                     if f.default is dataclasses.MISSING and f.name not in out)
-    if missing:
-        raise ValueError(f"config: missing required field(s) {missing} (published or flat spelling)")
-    return out
+        _check_kda_layers(kda_layers, layers, out)
+
+
+def _check_kda_layers(kda_layers: Any, layers: Any, out: dict[str, Any]) -> None:
+    """kda_layers (1-indexed) and full_attn_layers partition 1..num_hidden_layers; the first implies the second."""
+    if not (isinstance(kda_layers, list) and all(is_int(i) for i in kda_layers)):
+        raise ValueError(f"config: kda_layers must be a list of ints (1-indexed layers), found {kda_layers!r:.80}")
+    if not is_int(layers):
+        raise ValueError(f"config: kda_layers given without an int num_hidden_layers (found {layers!r:.40})")
+    kda = list(kda_layers)
+    if "full_attn_layers" not in out:
+        out["full_attn_layers"] = [i for i in range(1, layers + 1) if i not in set(kda)]
+    fal = out["full_attn_layers"]
+    if not (isinstance(fal, (list, tuple)) and all(is_int(i) for i in fal)):
+        raise ValueError(f"config: full_attn_layers must be a list of ints (1-indexed layers), found {fal!r:.80}")
+    full = set(fal)
+    both = sorted(full & set(kda))
+    if both:
+        raise ValueError(f"config: layer(s) {both} (1-indexed) are in both full_attn_layers and kda_layers")
+    neither = sorted(set(range(1, layers + 1)) - full - set(kda))
+    if neither:
+        raise ValueError(f"config: layer(s) {neither} (1-indexed) have no known kind: in neither "
+                         f"full_attn_layers (MLA) nor kda_layers (KDA)")
+    extra = sorted(i for i in kda if not 1 <= i <= layers)
+    if extra:
+        raise ValueError(f"config: kda_layers {extra} out of range 1..{layers}")
 
 
 def _is_number(v: Any) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import Backend, external
+from conformance import Backend, backends, external
 from conformance.cases import CORE_SPECS, CORE_TABLE, all_cases, select
 from conformance.cli import main as k3conf
 from conformance.external import BackendError, check_cores
@@ -200,7 +200,7 @@ def test_load_errors_name_what_is_wrong(tmp_path, spec, expect):
     if spec == "{dir}/good.py":
         spec = f"{tmp_path}/good.py:"
     with pytest.raises(BackendError, match=expect):
-        external.load(spec.format(dir=tmp_path))
+        external.load(spec.format(dir=tmp_path), reserved=backends.BACKENDS)
 
 
 def test_load_finds_a_module_in_the_working_directory(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from k3ref.config import K3Config
 from k3ref.cores import reference_cores
 from k3ref.cpu_forward import Ablation, K3CpuModel, forward_prefill, forward_token
 from k3ref.greedy import greedy_decode, greedy_recompute
-from tests.tolerances import rel_rms, tol
+from tests.tolerances import effect, rel_rms, tol
 
 PROMPT = [5, 17, 3, 42, 8, 1, 60]
 
@@ -19,15 +19,6 @@ PROMPT = [5, 17, 3, 42, 8, 1, 60]
 @pytest.fixture(scope="module")
 def tiny() -> K3CpuModel:
     return K3CpuModel.synthetic(K3Config.preset("tiny"), seed=7)
-
-
-def test_tiny_exercises_every_feature(tiny):
-    kinds = [(s.mixer.name, s.mlp.name) for s in tiny.graph.layers]
-    mixers = [m for m, _ in kinds]
-    assert mixers.count("KDA") >= 2 and mixers.count("MLA") >= 2
-    assert mixers[-2:] == ["MLA", "MLA"], "two MLA layers in a row at the end"
-    assert kinds[0][1] == "DENSE" and all(mlp == "LATENT_MOE" for _, mlp in kinds[1:])
-    assert len(tiny.graph.block_starts) >= 3, "layer 0 plus >= 2 more AttnRes block boundaries"
 
 
 def test_greedy_equals_recompute_16_tokens(tiny):
@@ -112,7 +103,7 @@ def test_attnres_ablation_changes_the_model(tiny):
     cache0, cache1 = tiny.new_cache(), tiny.new_cache()
     plain = forward_prefill(tiny, PROMPT, cache0, seq=cache0.add_sequence(), ablation=Ablation(attnres_mix=0.0))
     prod = forward_prefill(tiny, PROMPT, cache1, seq=cache1.add_sequence())
-    assert rel_rms(plain, prod) > 1e-3
+    assert rel_rms(plain, prod) > effect("attnres_ablation")
 
 
 class RecordingWeights(dict):

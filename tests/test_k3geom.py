@@ -81,17 +81,17 @@ def test_default_case_set_holds_the_k3geom_traces():
 
 @pytest.fixture
 def fallback_records(monkeypatch):
-    """Every fallback record a trace makes (traces._guard_kernels' dict: core -> [count, why the reference
+    """Every fallback record a trace makes (traces.guard_kernels' dict: core -> [count, why the reference
     ran]), one per backend run (the runner also runs the precision's baseline, whose record stays empty)."""
     records = []
-    original = traces._guard_kernels
+    original = traces.guard_kernels
 
     def recording(cores, kernel_names):
         swapped, calls, fell_back = original(cores, kernel_names)
         records.append(fell_back)        # filled while the trace runs
         return swapped, calls, fell_back
 
-    monkeypatch.setattr(traces, "_guard_kernels", recording)
+    monkeypatch.setattr(traces, "guard_kernels", recording)
     return records
 
 

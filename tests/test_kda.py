@@ -15,7 +15,7 @@ from k3ref import kda, ops
 from k3ref.cores import Cores
 from k3ref.kda import (KDA_L2_EPS, KdaConfig, KdaState, kda_chunked, kda_decode_core, kda_decode_token, kda_gate,
                        kda_prefill, kda_prefill_core, kda_recurrent, l2norm, random_kda_weights, short_conv)
-from tests.tolerances import rel_rms, tol
+from tests.tolerances import elem, rel_rms, tol
 
 # Rows this file adds to the tolerance table (relative RMS), with the reason for each number.
 KDA_TOL: dict[str, tuple[float, str]] = {
@@ -150,8 +150,8 @@ def test_one_recurrent_step_by_hand():
     for fn in (kda_recurrent, kda_chunked):
         o_f, S_f = fn(q[None, None, None], k[None, None, None], v[None, None, None], g[None, None, None],
                       np.full((1, 1, 1), beta), scale=scale, initial_state=S0[None, None])
-        np.testing.assert_allclose(o_f[0, 0, 0], o, rtol=1e-13, atol=0, err_msg=fn.__name__)
-        np.testing.assert_allclose(S_f[0, 0], S1, rtol=1e-13, atol=0, err_msg=fn.__name__)
+        np.testing.assert_allclose(o_f[0, 0, 0], o, **elem("fp64_hand_loops"), err_msg=fn.__name__)
+        np.testing.assert_allclose(S_f[0, 0], S1, **elem("fp64_hand_loops"), err_msg=fn.__name__)
 
 
 def test_zero_state_zero_values_stay_zero(rng):
@@ -188,7 +188,7 @@ def test_prefill_core_equals_decode_core_steps(lower_bound, rng, monkeypatch):
 def test_l2_eps_is_1e6_inside_the_sqrt():
     x = np.array([3e-4, 4e-4])                                # |x|^2 = 2.5e-7, comparable to eps
     assert KDA_L2_EPS == 1e-6
-    np.testing.assert_allclose(l2norm(x), x / math.sqrt(2.5e-7 + 1e-6), rtol=1e-14)
+    np.testing.assert_allclose(l2norm(x), x / math.sqrt(2.5e-7 + 1e-6), **elem("fp64_few_ops"))
 
 
 def test_decode_core_uses_the_l2_eps_and_default_scale():
@@ -200,8 +200,8 @@ def test_decode_core_uses_the_l2_eps_and_default_scale():
                            np.zeros(1), np.zeros(K), np.zeros((1, 1, K, V)))
     kh = k / math.sqrt(1e-8 + 4e-8 + 1e-6)
     qh = q / math.sqrt(9e-8 + 16e-8 + 1e-6) / math.sqrt(K)
-    np.testing.assert_allclose(o[0, 0], 0.5 * float(kh @ qh) * v, rtol=1e-13)
-    np.testing.assert_allclose(S[0, 0], 0.5 * np.outer(kh, v), rtol=1e-13)
+    np.testing.assert_allclose(o[0, 0], 0.5 * float(kh @ qh) * v, **elem("fp64_hand_loops"))
+    np.testing.assert_allclose(S[0, 0], 0.5 * np.outer(kh, v), **elem("fp64_hand_loops"))
 
 
 @pytest.mark.parametrize("dtype, want", [pytest.param(np.longdouble, np.float64, id="longdouble-to-f64"),
@@ -221,7 +221,7 @@ def test_gate_lower_bound_is_minus_5():
     # k = 0 writes nothing, so the core only decays the state, by exp(lower bound) at a saturated gate.
     _, new = kda_decode_core(np.ones((1, 2, 3)), np.zeros((1, 2, 3)), np.ones((1, 2, 4)), np.full((1, 2, 3), 1e3),
                              np.zeros((1, 2)), np.zeros(2), np.zeros(6), state)
-    np.testing.assert_allclose(new, math.exp(-5.0) * state, rtol=1e-14)
+    np.testing.assert_allclose(new, math.exp(-5.0) * state, **elem("fp64_few_ops"))
 
 
 @pytest.mark.parametrize("lower_bound", [pytest.param(-5.0, id="lb5"), pytest.param(-2.5, id="lb2.5"),
@@ -235,7 +235,7 @@ def test_gate_by_hand(lower_bound):
     z = float(g_raw[0, h, c] + dt_bias[h * 2 + c])
     a = math.exp(A_log[h])
     want = (-a * math.log1p(math.exp(z)) if lower_bound is None else lower_bound / (1.0 + math.exp(-a * z)))
-    assert g[0, h, c] == pytest.approx(want, rel=1e-14)
+    assert g[0, h, c] == pytest.approx(want, rel=elem("fp64_few_ops")["rtol"])
 
 
 # ----------------------------------------------------------------------------------------------- properties
@@ -247,7 +247,7 @@ finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
 def test_l2norm_is_scale_invariant_without_eps(x, c):
     if np.linalg.norm(x) < 1e-6:
         x = x + 1.0
-    np.testing.assert_allclose(l2norm(c * x, eps=0.0), l2norm(x, eps=0.0), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(l2norm(c * x, eps=0.0), l2norm(x, eps=0.0), **elem("fp64_scale_invariance"))
 
 
 @given(x=arrays(np.float64, st.integers(1, 8), elements=finite))
@@ -255,7 +255,8 @@ def test_l2norm_norm_is_below_one_with_eps_inside_the_sqrt(x):
     n = float(np.linalg.norm(l2norm(x)))
     s = float(np.sum(x * x))
     assert n < 1.0
-    assert n == pytest.approx(math.sqrt(s) / math.sqrt(s + KDA_L2_EPS), rel=1e-12, abs=1e-300)
+    assert n == pytest.approx(math.sqrt(s) / math.sqrt(s + KDA_L2_EPS), rel=elem("fp64_norm_factor")["rtol"],
+                               abs=elem("fp64_norm_factor")["atol"])
 
 
 @given(g_raw=arrays(np.float64, (3, 2, 4), elements=st.floats(-1, 1)),
@@ -284,7 +285,7 @@ def test_short_conv_by_hand(rng):
         for t in range(T):
             for c in range(C):
                 want[b, t, c] = sum(w[c, 0, j] * x[b, t - W + 1 + j, c] for j in range(W) if t - W + 1 + j >= 0)
-    np.testing.assert_allclose(y, want, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(y, want, **elem("fp64_conv_loops"))
     np.testing.assert_array_equal(state, x[:, -(W - 1):].transpose(0, 2, 1))    # last W-1 inputs, oldest first
 
 
@@ -297,11 +298,11 @@ def test_short_conv_step_by_step_equals_full_sequence(W, rng):
     for t in range(T):
         y_t, state = short_conv(x[:, t:t + 1], w, state)
         ys.append(y_t)
-    np.testing.assert_allclose(np.concatenate(ys, axis=1), y_full, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(np.concatenate(ys, axis=1), y_full, **elem("fp64_split_sequence"))
     np.testing.assert_array_equal(state, s_full)
     y_a, s_a = short_conv(x[:, :2], w)                        # split 2 + 7 (a split shorter than W - 1)
     y_b, s_b = short_conv(x[:, 2:], w, s_a)
-    np.testing.assert_allclose(np.concatenate([y_a, y_b], axis=1), y_full, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(np.concatenate([y_a, y_b], axis=1), y_full, **elem("fp64_split_sequence"))
     np.testing.assert_array_equal(s_b, s_full)
 
 
@@ -375,7 +376,7 @@ def test_layer_one_token_by_hand(rng):
     want = w["o_proj.weight"] @ np.concatenate(heads)
     assert g_raw.shape == (H * K,)                             # the gate does not matter from a zero state
     y, _ = kda_decode_token(w, x[None], KdaState.zeros(cfg, 1), cfg, _kda_cores())
-    np.testing.assert_allclose(y[0], want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(y[0], want, **elem("fp64_hand_token"))
 
 
 def test_layer_routes_through_cores_and_uses_first_H_of_A_log(rng):

@@ -11,15 +11,7 @@ from hypothesis import given, strategies as st
 from k3ref import mla, ops
 from k3ref.cache import MlaKv
 from k3ref.cores import CORE_NAMES, Cores
-from tests.tolerances import rel_rms, tol
-
-# Effect sizes a test requires (not error tolerances): a change that must show in the output.
-EFFECT: dict[str, tuple[float, str]] = {
-    "k_pe_moves_y": (1e-3, "k_pe of O(1) gives O(1) score terms; y moves by O(0.1) relative when they are "
-                           "zeroed; a dropped k_pe leaves y bitwise unchanged (effect 0)"),
-    "changed_tokens_move_y": (1e-3, "fresh N(0, 1) inputs at the changed positions give O(1) relative changes "
-                                    "of their outputs; an expanded form that ignored its own token shows ~0"),
-}
+from tests.tolerances import effect, rel_rms, tol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +212,7 @@ def test_k_pe_participates_in_scores():
     w_no_kpe["kv_a_proj_with_mqa.weight"][geo.R:] = 0.0
     Y, Y_no = decode_all(w, X, cfg)[0], decode_all(w_no_kpe, X, cfg)[0]
     assert rel_rms(Y_no, mla.gated_mla_attend(w_no_kpe, X, cfg)) < tol("fp64_same_math")
-    assert rel_rms(Y[1:], Y_no[1:]) > EFFECT["k_pe_moves_y"][0]   # t = 0 attends to itself only
+    assert rel_rms(Y[1:], Y_no[1:]) > effect("k_pe_moves_y")   # t = 0 attends to itself only
 
 
 # --- causality ------------------------------------------------------------------------------
@@ -236,7 +228,7 @@ def test_expanded_is_causal(T, t):
     Y, Y_changed = mla.gated_mla_attend(w, X, cfg), mla.gated_mla_attend(w, X_changed, cfg)
     assert rel_rms(Y_changed[:t], Y[:t]) < tol("fp64_same_math")
     assert rel_rms(mla.gated_mla_attend(w, X[:t], cfg), Y[:t]) < tol("fp64_same_math")
-    assert rel_rms(Y_changed[t:], Y[t:]) > EFFECT["changed_tokens_move_y"][0]   # the changed tokens do change
+    assert rel_rms(Y_changed[t:], Y[t:]) > effect("changed_tokens_move_y")   # the changed tokens do change
 
 
 def test_core_ignores_poisoned_slots_past_seq_len():

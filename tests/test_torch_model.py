@@ -78,7 +78,7 @@ def _reference_trace(model: K3CpuModel) -> dict[str, np.ndarray]:
     """k3ref's trace tensors on PROMPT + its own greedy continuation (as the trace generator makes them)."""
     new = greedy_decode(model, list(traces.PROMPT), traces.DECODE_STEPS).tokens
     tokens = np.array(list(traces.PROMPT) + new, dtype=np.int64)
-    return tokens, traces._Stepper(model, reference_cores()).run(tokens)
+    return tokens, traces.Stepper(model, reference_cores()).run(tokens)
 
 
 def _torch_trace(model: K3ForCausalLM, tokens) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build a cp312 PyCUDA wheel on this machine (no GPU, no libcuda) for the H200 device machine (Python 3.12,
-# no pycuda, no network), and download its pure-Python dependencies as wheels. Everything lands in .whl/
-# (git-ignored), ready for tools/gpu_check.sh. Facts used: /work/shared/notes/PYCUDA.md.
+# Build a cp312 PyCUDA wheel on this machine (no GPU, no libcuda) for a GPU machine that has Python 3.12
+# but no pycuda and no network, and download its pure-Python dependencies as wheels. Everything lands in
+# .whl/ (git-ignored), ready for tools/gpu_check.sh.
 #
 #   tools/build_pycuda_wheel.sh            # PY312=/path/to/python3.12 and PYCUDA_VERSION=... to override
 #

@@ -20,7 +20,7 @@ version is another one, the entry no longer applies and a miss fails again.
 
     python3 tools/gpu_bench.py [--blocks kda_decode rmsnorm] [--out DIR] [--warmup 3] [--reps 20]
 
-Prints a table last; writes gpu_bench.json (and nothing else) to --out (default $OUT, else reports/).
+Prints a table last; writes gpu_bench.json (and nothing else) to --out (default reports/).
 Exit status: 0 when at least one case was timed and every case passed or missed only as expected; 1 when a
 gate failed, a case errored or nothing was timed; 2 no GPU. Importing this file and --help need no pycuda.
 """
@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import re
 import statistics
 import sys
@@ -282,7 +281,7 @@ def print_table(rows: list[dict], copy_bw: float, out: Path, wall_s: float) -> N
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", nargs="*", default=None, help="kernel blocks (default: every k3cuda kernel)")
-    p.add_argument("--out", default=os.environ.get("OUT") or "reports")
+    p.add_argument("--out", default="reports")
     p.add_argument("--warmup", type=int, default=3, help="untimed launches before the repetitions")
     p.add_argument("--reps", type=int, default=20, help="event pairs per case (L2 flushed before each)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager baseline")

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check, in one call on the lent H200 (Python 3.12, no pycuda, no network). From the repo root:
+# The GPU check in one command, for a machine with an NVIDIA GPU and CUDA 13 (Python 3.12; pycuda may be
+# missing and the network unreachable, hence the wheels). From the repo root:
 #
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   bash tools/gpu_check.sh [LOG_DIR]
 #
-# 1. installs the wheels in .whl/ (built here by tools/build_pycuda_wheel.sh) into /tmp/site;
+# 1. installs the wheels in .whl/ (built beforehand by tools/build_pycuda_wheel.sh) into /tmp/site when pycuda is
+#    not importable;
 # 2. pytest -m gpu (every kernel vs its float64 k3ref core, outputs poisoned with NaN);
-# 3. k3conf run --backend cuda (the conformance runner; skipped with a message if it does not exist yet);
+# 3. k3conf run --backend cuda (the conformance runner on the kernels);
 # 4. tools/gpu_bench.py (L2 flushed before every event pair, GB/s, ratio to a copy kernel timed in the same run,
 #    torch eager speedup). A target that a kernel's current version is known not to reach (its header says why;
 #    EXPECTED_MISSES in gpu_bench.py) is listed as XMISS and does not fail the check; any other miss does.
-# Logs and gpu_bench.json go to $OUT (or reports/gpu_check when $OUT is unset); a short table is printed last.
+# Logs and gpu_bench.json go to LOG_DIR (default reports/gpu_check); a short table is printed last.
 # Every step runs even if an earlier one fails; the exit status is the first failure's: 0 only when every step
 # passed (expected misses aside); 4 when k3cuda.available() says no, since the GPU tests would then only skip;
 # gpu_bench exits 1 when nothing was timed, pytest 5 when no GPU test was collected.
@@ -17,15 +19,15 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}   # rich tables stay readable in the logs
 cd "$(dirname "$0")/.."
-OUT=${OUT:-reports/gpu_check}
-mkdir -p "$OUT"
+LOG_DIR=${1:-reports/gpu_check}
+mkdir -p "$LOG_DIR"
 PY=${PY:-python3}
 status=0
 note() { echo "== $* ($(date -u +%H:%M:%S))"; }
-step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the first failure
+step() {  # step NAME TIMEOUT CMD...: run, log to $LOG_DIR/NAME.log, remember the first failure
     local name=$1 limit=$2; shift 2
     note "$name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 124 ] && echo "!! $name timed out after $limit s"
     [ "$rc" -ne 0 ] && echo "!! $name exit $rc" && [ "$status" -eq 0 ] && status=$rc
@@ -36,8 +38,8 @@ if ! command -v nvcc >/dev/null; then   # the kernels are compiled on first use;
     for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break; done
 fi
 note "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.log"
-nvcc --version | tail -1 | tee -a "$OUT/device.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$LOG_DIR/device.log"
+nvcc --version | tail -1 | tee -a "$LOG_DIR/device.log"
 
 if ! $PY -c "import pycuda" 2>/dev/null; then
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -54,28 +56,24 @@ if ! $PY -c "import pycuda" 2>/dev/null; then
             || { echo "!! wheel install failed"; exit 3; }
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     else
-        echo "!! pycuda is not importable and .whl/ has no wheels: run tools/build_pycuda_wheel.sh here first" \
-             "and pass carry=[\".whl\"]"
+        echo "!! pycuda is not importable and .whl/ has no wheels: build them with tools/build_pycuda_wheel.sh" \
+             "on a machine with the CUDA headers and copy .whl/ into this checkout"
     fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export K3CUDA_CACHE=${K3CUDA_CACHE:-/tmp/k3cuda-cache}
 # without a usable GPU every gpu test skips and pytest exits 0: make that a failure of the check itself
 if ! $PY -c "import sys, k3cuda; ok, why = k3cuda.available(); print('k3cuda.available():', (ok, why)); sys.exit(not ok)" \
-        2>&1 | tee "$OUT/available.log"; then
+        2>&1 | tee "$LOG_DIR/available.log"; then
     echo "!! the CUDA backend is not available here (see above): the GPU tests below will only skip"
     status=4
 fi
 
 step pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests --tb=short -ra
 
-if $PY -c "import conformance.cli" 2>/dev/null && $PY -m conformance run --help 2>/dev/null | grep -q -- "--backend"; then
-    step k3conf_cuda 90 $PY -m conformance run --backend cuda
-else
-    echo "== k3conf run --backend cuda: not available yet in this checkout (conformance run has no --backend); skipped"
-fi
+step k3conf_cuda 90 $PY -m conformance run --backend cuda
 
-step gpu_bench 200 $PY tools/gpu_bench.py --out "$OUT"
+step gpu_bench 200 $PY tools/gpu_bench.py --out "$LOG_DIR"
 
 note "done, exit $status"
 exit "$status"

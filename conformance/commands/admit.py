@@ -12,7 +12,7 @@ def load_config(spec: str | None, directory: Path | None = None):
     """A K3Config from a preset name, a config.json path, or (spec None) DIR/config.json."""
     from k3ref.config import PRESETS, K3Config
 
-    from ..cli import UsageError
+    from . import UsageError
 
     try:
         if spec is None:
@@ -45,7 +45,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from k3ref.weights import CheckpointError, admit_checkpoint
 
-    from ..cli import UsageError
+    from . import UsageError
 
     if args.limit < 0:
         raise UsageError(f"--limit: expected an int >= 0, found {args.limit}")

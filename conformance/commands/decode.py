@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import UsageError
+from . import UsageError
 from .admit import load_config
 
 

@@ -16,7 +16,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..backends import ALL_CORES, MUTANTS, availability, get_backend, kernel_cores
     from ..cases import all_cases, load_plugins
-    from ..cli import UsageError
+    from . import UsageError
     from ..gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
 
     unknown = [w for w in args.what if w not in SECTIONS]

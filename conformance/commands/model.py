@@ -30,7 +30,7 @@ def run_info(args) -> int:
     from k3ref.tp import GROUPS, TpPlan
     from k3ref.weights import inventory_totals
 
-    from ..cli import UsageError
+    from . import UsageError
 
     cfg = load_config(args.config)
     try:

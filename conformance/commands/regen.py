@@ -32,7 +32,7 @@ _SAY = {
 
 def run(args) -> int:
     from ..cases import all_cases
-    from ..cli import UsageError
+    from . import UsageError
     from ..goldens import default_root, regenerate
     from .run import pick_cases
 

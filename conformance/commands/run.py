@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..cli import UsageError
+from . import UsageError
 
 
 def register(sub) -> None:
@@ -56,56 +56,19 @@ def pick_cases(config: str, patterns):
 
 def run(args) -> int:
     from rich.console import Console
-    from rich.progress import Progress
 
     from .. import report as rep
-    from ..backends import get_backend
-    from ..external import BackendError, check_cores, is_external
-    from ..goldens import MANIFEST, default_root
-    from ..runner import run as run_cases
 
     if args.tp != 1:
         from ..dist.cli import run_tp_command
 
         return run_tp_command(args)
     cases = pick_cases(args.config, args.cases)
-    why_not = {}
-    for name in args.backend or []:
-        try:
-            backend = get_backend(name)
-            ok, why = backend.available()
-            if ok and is_external(name):    # an author's cores: on a tiny input first, to name a wrong one
-                check_cores(backend)
-        except KeyError as e:
-            raise UsageError(e.args[0]) from None
-        except BackendError as e:
-            raise UsageError(str(e)) from None
-        if not ok:
-            why_not[name] = why
-    if args.backend and len(why_not) == len(set(args.backend)):
-        raise UsageError("none of the requested backends can run here: "
-                         + "; ".join(f"{n}: {w}" for n, w in why_not.items()))
-    root = args.golden or default_root(args.config)
-    try:
-        has_manifest = (root / MANIFEST).is_file()
-    except OSError as e:   # a name too long, a path through a file
-        raise UsageError(f"--golden {str(root)[:300]}: not usable as a golden directory ({e.strerror})") from None
-    if not has_manifest:
-        raise UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen --config {args.config}"
-                         + (f" --out {root}" if args.golden else ""))
+    check_backends(args.backend or [])
+    root = golden_root(args)
     check_report_dir(args.report)
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    if console.is_terminal and len(cases) > 10:
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("k3conf run", total=None)
-
-            def progress(done, total, label):
-                bar.update(task, completed=done, total=total, description=label)
-
-            report = run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
-                               progress=progress)
-    else:
-        report = run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing)
+    report = run_with_progress(cases, args, root, console)
     rep.print_terminal(report, console)
     try:
         paths = write_reports_together(report, args.report)
@@ -115,6 +78,64 @@ def run(args) -> int:
         return report.exit_code or 2   # a failed gate still says 1
     console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
     return report.exit_code
+
+
+def check_backends(names: list[str]) -> None:
+    """UsageError for an unknown or unloadable backend name, or when none of the requested ones can run here;
+    an external backend's cores are first tried on a tiny input, to name a wrong one before the run."""
+    from ..backends import get_backend, is_external
+    from ..external import BackendError, check_cores
+
+    why_not = {}
+    for name in names:
+        try:
+            backend = get_backend(name)
+            ok, why = backend.available()
+            if ok and is_external(name):
+                check_cores(backend)
+        except KeyError as e:
+            raise UsageError(e.args[0]) from None
+        except BackendError as e:
+            raise UsageError(str(e)) from None
+        if not ok:
+            why_not[name] = why
+    if names and len(why_not) == len(set(names)):
+        raise UsageError("none of the requested backends can run here: "
+                         + "; ".join(f"{n}: {w}" for n, w in why_not.items()))
+
+
+def golden_root(args) -> Path:
+    """The golden folder of the run (--golden, else the config's committed one); UsageError when it has no
+    manifest, naming the command that makes one."""
+    from ..goldens import MANIFEST, default_root
+
+    root = args.golden or default_root(args.config)
+    try:
+        has_manifest = (root / MANIFEST).is_file()
+    except OSError as e:   # a name too long, a path through a file
+        raise UsageError(f"--golden {str(root)[:300]}: not usable as a golden directory ({e.strerror})") from None
+    if not has_manifest:
+        raise UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen --config {args.config}"
+                         + (f" --out {root}" if args.golden else ""))
+    return root
+
+
+def run_with_progress(cases, args, root: Path, console):
+    """The run's report; a progress bar on a terminal when there are more than a handful of cases."""
+    from rich.progress import Progress
+
+    from ..runner import run as run_cases
+
+    if not (console.is_terminal and len(cases) > 10):
+        return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("k3conf run", total=None)
+
+        def progress(done, total, label):
+            bar.update(task, completed=done, total=total, description=label)
+
+        return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
+                         progress=progress)
 
 
 def check_report_dir(out: Path) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import UsageError
+from . import UsageError
 
 
 def register(sub) -> None:

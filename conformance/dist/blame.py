@@ -16,8 +16,8 @@ from k3ref.cpu_forward import ForwardContext, K3CpuModel, mixer_forward
 from k3ref.latent_moe import latent_moe_forward
 from k3ref.tp import TpPlan
 
-from ..traces import PROMPT, _GoldenFeed
-from .rank import _kda_slices
+from ..traces import PROMPT, GoldenFeed
+from .rank import kda_slices
 
 # float64 partials of the same math on the same slices differ by summation order only (~1e-15 relative)
 PARTIAL_RTOL = 1e-9
@@ -60,7 +60,7 @@ def _expected(plan: TpPlan, rank: int, weights: dict, inter: dict, outputs: dict
     if what == "mixer":
         cache = model.new_cache()
         seq = cache.add_sequence()
-        _GoldenFeed(_kda_slices(inter, plan, rank, plan.cfg.kda_head_dim), "fp64").layer_cache(cache, seq, s, l)
+        GoldenFeed(kda_slices(inter, plan, rank, plan.cfg.kda_head_dim), "fp64").layer_cache(cache, seq, s, l)
         return mixer_forward(ForwardContext(model, cores, seq, prefill=(s == 0)), l, outputs[f"{key}.2_x_mixer"], cache)
     try:
         latent_moe_forward(model.layer(l).sub("block_sparse_moe."), outputs[f"{key}.5_x_mlp"], model.moe_cfg, cores,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..cli import UsageError
+from ..commands import UsageError
 from .launch import TpFailure, check_dist, default_dist
 
 

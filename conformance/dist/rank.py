@@ -50,7 +50,7 @@ def _gather_ranks(comm, row: np.ndarray) -> list[dict]:
 
 # ----- trace -----
 
-def _kda_slices(inter: dict, plan, rank: int, head_dim: int) -> dict:
+def kda_slices(inter: dict, plan, rank: int, head_dim: int) -> dict:
     """The golden layer inputs a rank is fed: its heads of every KDA state, everything else as is."""
     heads, chans = plan.kda_head_slice(rank), plan.kda_head_slice(rank, head_dim)
     out = {}
@@ -73,7 +73,7 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     from ..backends import get_backend
     from ..goldens import golden_path
     from ..backends import kernel_cores
-    from ..traces import _GoldenFeed, _guard_kernels, _Stepper
+    from ..traces import GoldenFeed, guard_kernels, Stepper
 
     cfg = K3Config.preset(job["model"][case])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
@@ -90,9 +90,9 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     feed = None
     if job["mode"][case] == "layerwise":
         inter = {k[len("inter."):]: inputs.view(k, h) for k, h in entries.items() if k.startswith("inter.")}
-        feed = _GoldenFeed(_kda_slices(inter, plan, rank, cfg.kda_head_dim), backend.precision)
-    cores, _, _ = _guard_kernels(backend.cores(), kernel_cores(backend))
-    out = _Stepper(model, cores, feed, prompt_len=job["prompt"][case]).run(tokens)
+        feed = GoldenFeed(kda_slices(inter, plan, rank, cfg.kda_head_dim), backend.precision)
+    cores, _, _ = guard_kernels(backend.cores(), kernel_cores(backend))
+    out = Stepper(model, cores, feed, prompt_len=job["prompt"][case]).run(tokens)
     partials, comm.record = comm.record, None
     for name in sorted(out):
         if name.endswith("7_cache") and not cfg.is_mla(int(name.split(".layer")[1][:2])):

@@ -2,7 +2,7 @@
 
 The parent (or rank 0 under torchrun) reads the goldens, refuses an impossible plan before any process
 starts, runs the ranks (conformance.dist.launch), and gates rank 0's outputs through the runner's own
-per-case code (`runner._Runner.run_one`), so a TP result reads like any other row of the report; the
+per-case code (`runner.Runner.run_one`), so a TP result reads like any other row of the report; the
 backend column says `numpy64-tp<N>`. Each result's notes list every rank: pid, bytes read from the golden
 file, bytes held, and the plan's bytes for that rank. When a tensor fails, the rank whose partial sum at
 that layer differs from its share of the golden is named (`blame`).
@@ -47,7 +47,7 @@ class TpRunReport(_runner.RunReport):
         return {**super().to_dict(), "tp_ranks": self.ranks}
 
 
-class _TpRunner(_runner._Runner):
+class _TpRunner(_runner.Runner):
     """The runner with the outputs of a case taken from the ranks instead of computed here."""
 
     def __init__(self, root: Path, config: str, outputs: dict[str, dict]):

@@ -2,7 +2,7 @@
 //
 // Everything here is exact fp32 math: the build never uses --use_fast_math, so expf/tanhf/sqrtf/log1pf are
 // the accurate library versions (a few ulp), which the conformance tolerances assume.
-// Keep this header stable: F2's kernels include it too. Add, do not change.
+// Keep this header stable: every kernel may include it, so add helpers, do not change existing ones.
 #pragma once
 
 #define K3_WARP 32
