@@ -212,7 +212,6 @@ class HybridCache:
     def __init__(self, cfg, *, num_pages: int = 64, page_size: int = 64, dtype=np.float64,
                  kda_state_dtype=None):
         from .kda import KdaState
-        from .layer import K3Graph, MixerKind
 
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
@@ -225,9 +224,7 @@ class HybridCache:
                 f"HybridCache: page_size must be the MLA config's page size {self._mla_cfg.page_size} "
                 f"(mla_decode_token checks the cache against it), found {page_size!r}")
         self._KdaState = KdaState
-        graph = K3Graph.from_config(cfg)
-        self.kda_layers = tuple(s.index for s in graph.layers if s.mixer == MixerKind.KDA)
-        self.mla_layers = tuple(s.index for s in graph.layers if s.mixer == MixerKind.MLA)
+        self.kda_layers, self.mla_layers = cfg.kda_layers, cfg.mla_layers
         self.mla = {i: MlaKv(num_pages, page_size, self._mla_cfg.cache_width, self.dtype) for i in self.mla_layers}
         self.kda: dict[tuple[int, int], object] = {}
         self.lengths: dict[int, int] = {}

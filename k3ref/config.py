@@ -136,25 +136,6 @@ class K3Config:
         """Width of the fused shared-expert SiTU MLP: n_shared_experts * moe_intermediate_size."""
         return self.n_shared_experts * self.moe_intermediate_size
 
-    # ----- parameter counts -----
-
-    def num_parameters(self) -> int:
-        """Total parameters of `k3ref.weights.inventory(self)`, counted arithmetically (inventory_totals).
-
-        A parameter is one logical weight: MXFP4 packed bytes count 2 each (two E2M1 codes a byte); the
-        E8M0 scales are quantisation metadata and do not count. A_log counts its padded length.
-        """
-        from .weights import inventory_totals
-
-        return inventory_totals(self).parameters
-
-    def active_parameters(self) -> int:
-        """Parameters one token uses: everything but the routed experts, plus top_k experts per MoE layer."""
-        from .weights import inventory_totals
-
-        t = inventory_totals(self)
-        return t.parameters - t.moe_layers * (self.n_routed_experts - self.num_experts_per_tok) * t.expert_parameters
-
     # ----- tensor parallelism -----
 
     def validate_tp(self, tp: int) -> None:

@@ -180,6 +180,21 @@ class InventoryTotals(NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
+def num_parameters(cfg: K3Config) -> int:
+    """Total parameters of `inventory(cfg)`, counted arithmetically (inventory_totals).
+
+    A parameter is one logical weight: MXFP4 packed bytes count 2 each (two E2M1 codes a byte); the
+    E8M0 scales are quantisation metadata and do not count. A_log counts its padded length.
+    """
+    return inventory_totals(cfg).parameters
+
+
+def active_parameters(cfg: K3Config) -> int:
+    """Parameters one token uses: everything but the routed experts, plus top_k experts per MoE layer."""
+    t = inventory_totals(cfg)
+    return t.parameters - t.moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * t.expert_parameters
+
+
 def inventory_totals(cfg: K3Config) -> InventoryTotals:
     """Tensors, parameters and stored bytes of inventory(cfg), by arithmetic: one layer of each kind
     (KDA/MLA x dense/MoE) times how many there are, one routed expert times the expert count."""
@@ -331,7 +346,7 @@ def synthetic_weights(cfg: K3Config, seed: int, dtype=np.float64) -> dict[str, n
         raise ValueError(f"dtype: expected float32 or float64, found {dtype}")
     total = sum(t.nbytes for t in inventory(cfg))
     if total > 8 << 30:
-        raise ValueError(f"synthetic_weights: {cfg.num_parameters():,} parameters ({total / 2**30:.0f} GiB stored) "
+        raise ValueError(f"synthetic_weights: {num_parameters(cfg):,} parameters ({total / 2**30:.0f} GiB stored) "
                          "is too large to materialise; use a smaller config (preset 'small' or 'tiny')")
     return {spec.name: (a if spec.dtype == "U8" else a.astype(dtype))
             for spec, a in stored_tensors(cfg, seed, inventory(cfg))}

@@ -12,13 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ABOVE = {"k3ref": ("k3cuda", "conformance", "tools"), "k3cuda": ("conformance", "tools")}
-# Known edges that close a cycle, each with its reason: K3Config builds the MLA block config (and mla -> cache ->
-# layer reads K3Config back) and counts its parameters from the weight inventory (which reads K3Config). Both are
-# deferred imports in k3ref.config. Each entry must still close a cycle, so the list cannot go stale.
-KNOWN_CYCLE_EDGES = {
-    ("k3ref.config", "k3ref.mla"): "K3Config.mla_config() builds the MlaConfig",
-    ("k3ref.config", "k3ref.weights"): "K3Config.num_parameters() counts k3ref.weights.inventory_totals",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -54,16 +47,6 @@ def _graph(package: str) -> dict[str, set[str]]:
     return {m: {n for n in _imported(p) if n in files and n != m} for m, p in files.items()}
 
 
-def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    """The modules `start` imports, directly or through others."""
-    seen, todo = set(), [start]
-    while todo:
-        for n in graph[todo.pop()] - seen:
-            seen.add(n)
-            todo.append(n)
-    return seen
-
-
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as a list of modules (first == last), or None."""
     state: dict[str, int] = {}                                   # 1: on the current path, 2: done
@@ -91,12 +74,6 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles(package):
     graph = _graph(package)
     assert len(graph) > 3, f"{package}: found only {sorted(graph)}"
-    for (a, b), reason in KNOWN_CYCLE_EDGES.items():
-        if a.split(".")[0] == package:
-            assert a in _reachable(graph, b), \
-                f"{a} -> {b} ({reason}) closes no cycle any more: remove it from KNOWN_CYCLE_EDGES"
-    for (a, b) in KNOWN_CYCLE_EDGES:
-        graph.get(a, set()).discard(b)
     cycle = _cycle(graph)
     assert cycle is None, f"{package}: import cycle {' -> '.join(cycle)}"
 

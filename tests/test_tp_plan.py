@@ -7,7 +7,7 @@ import pytest
 from conformance.cli import main as cli_main
 from k3ref.config import K3Config
 from k3ref.tp import TpPlan
-from k3ref.weights import inventory
+from k3ref.weights import inventory, num_parameters
 
 L = "language_model.model.layers."
 TPS = [pytest.param(tp, id=f"tp{tp}") for tp in (1, 2, 4, 8)]
@@ -211,7 +211,7 @@ def test_cli_model_info(capsys):
     out = capsys.readouterr().out
     plan = TpPlan(K3Config.preset("small"), 4)
     assert f"{plan.kv_bytes_per_token():,}" in out and f"{plan.kda_state_bytes_per_sequence():,}" in out
-    assert f"{K3Config.preset('small').num_parameters():,}" in out
+    assert f"{num_parameters(K3Config.preset('small')):,}" in out
     for group, n in plan.weight_bytes_per_rank().items():
         assert f"{group}" in out and f"{n:,}" in out
     assert cli_main(["model", "info", "--config", "small", "--tp", "3"]) == 2

@@ -87,7 +87,7 @@ def run(args) -> int:
 
     from k3ref.cpu_forward import K3CpuModel
     from k3ref.greedy import greedy_decode
-    from k3ref.weights import CheckpointError, admit_checkpoint
+    from k3ref.weights import CheckpointError, admit_checkpoint, num_parameters
 
     try:
         prompt = [int(t) for t in args.prompt.split(",") if t.strip()]
@@ -97,8 +97,8 @@ def run(args) -> int:
         raise UsageError("--prompt: expected at least one token id, e.g. --prompt 1,2,3")
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     cfg = load_config(args.config if args.config or checkpoint else "tiny", checkpoint)
-    if cfg.num_parameters() > 2e9 and not args.checkpoint:
-        raise UsageError(f"--config {args.config}: {cfg.num_parameters() / 1e9:,.0f}B parameters is too large to "
+    if num_parameters(cfg) > 2e9 and not args.checkpoint:
+        raise UsageError(f"--config {args.config}: {num_parameters(cfg) / 1e9:,.0f}B parameters is too large to "
                          "synthesise on the CPU; use tiny or small, or give --checkpoint")
     if args.tp != 1:
         from ..dist.cli import decode_tp_command

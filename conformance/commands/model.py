@@ -28,7 +28,7 @@ MAX_PLANNED_TENSORS = 5_000_000
 
 def run_info(args) -> int:
     from k3ref.tp import GROUPS, TpPlan
-    from k3ref.weights import inventory_totals
+    from k3ref.weights import active_parameters, inventory_totals, num_parameters
 
     from . import UsageError
 
@@ -41,7 +41,7 @@ def run_info(args) -> int:
     n_mla = len(cfg.mla_layers)
     print(f"config {args.config}: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
           f"{n_mla} MLA), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, tp {args.tp}")
-    print(f"parameters: total {cfg.num_parameters():,}  active per token {cfg.active_parameters():,}")
+    print(f"parameters: total {num_parameters(cfg):,}  active per token {active_parameters(cfg):,}")
     print(f"checkpoint: {totals.tensors:,} tensors, {totals.nbytes:,} B {_gib(totals.nbytes)}")
     if totals.tensors > MAX_PLANNED_TENSORS:
         print(f"weight bytes per rank: not planned: {totals.tensors:,} tensors is more than the "
