@@ -114,6 +114,113 @@ __device__ __forceinline__ float mla_reduce_scatter4(const float a[4], int lane)
     return c;
 }
 
+// The q slices this lane holds for the warp's heads: latent columns 4*lane + 128*i, rope columns R + 2*lane,
+// R + 2*lane + 1; zero when out of range. (Scalar loads: a q row starts 16-byte aligned only when W % 4 == 0,
+// and this runs once per block.)
+__device__ __forceinline__ void mla_load_q(const float* __restrict__ q, int b, int h0, int lane, int H, int R, int P,
+                                           float4 (&qc)[MLA_HPW][MLA_LATENT_CHUNKS], float2 (&qp)[MLA_HPW]) {
+    const int W = R + P;
+#pragma unroll
+    for (int hh = 0; hh < MLA_HPW; ++hh) {
+        const int h = h0 + hh;
+        const float* qrow = q + ((int64_t)b * H + h) * W;
+#pragma unroll
+        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
+            const int col = 4 * lane + 128 * i;
+            qc[hh][i] = (h < H && col < R) ? make_float4(qrow[col], qrow[col + 1], qrow[col + 2], qrow[col + 3])
+                                           : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        qp[hh] = (h < H && 2 * lane < P) ? make_float2(qrow[R + 2 * lane], qrow[R + 2 * lane + 1])
+                                         : make_float2(0.f, 0.f);
+    }
+}
+
+// s[j] = (q_h . [c_j | k_pe_j]) * scale for the head of this lane's quarter (lane >> 3), rows j < n of the
+// tile; -inf for the stale rows j >= n, which the softmax then ignores.
+__device__ __forceinline__ void mla_tile_scores(const float* tile, int n, int lane, int R, int P, float scale,
+                                                const float4 (&qc)[MLA_HPW][MLA_LATENT_CHUNKS],
+                                                const float2 (&qp)[MLA_HPW], float (&s)[MLA_TILE]) {
+#pragma unroll
+    for (int j = 0; j < MLA_TILE; ++j) {
+        s[j] = -INFINITY;
+        if (j < n) {
+            const float* row = tile + j * MLA_ROW;
+            float a[MLA_HPW] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
+                const int col = 4 * lane + 128 * i;
+                if (col < R) {
+                    const float4 c = k3_ld4(row + col);
+#pragma unroll
+                    for (int hh = 0; hh < MLA_HPW; ++hh)
+                        a[hh] += qc[hh][i].x * c.x + qc[hh][i].y * c.y + qc[hh][i].z * c.z + qc[hh][i].w * c.w;
+                }
+            }
+            if (2 * lane < P) {
+                const float2 c = *reinterpret_cast<const float2*>(row + R + 2 * lane);
+#pragma unroll
+                for (int hh = 0; hh < MLA_HPW; ++hh) a[hh] += qp[hh].x * c.x + qp[hh].y * c.y;
+            }
+            s[j] = mla_reduce_scatter4(a, lane) * scale;
+        }
+    }
+}
+
+// Online softmax over one tile for this lane's head: s becomes p = exp(s - m_new) (0 for stale rows), m_run and
+// l_run are updated; returns alpha = exp(m_old - m_new), the factor that rescales the running accumulator
+// (0 on the first tile, where m_run = -inf). The 8 lanes of a quarter hold identical values.
+__device__ __forceinline__ float mla_online_softmax(float (&s)[MLA_TILE], int n, float& m_run, float& l_run) {
+    float m_tile = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < MLA_TILE; ++j) m_tile = fmaxf(m_tile, s[j]);
+    const float m_new = fmaxf(m_run, m_tile);      // finite: the tile has >= 1 row
+    const float alpha = expf(m_run - m_new);
+    float psum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MLA_TILE; ++j) {
+        s[j] = (j < n) ? expf(s[j] - m_new) : 0.f;
+        psum += s[j];
+    }
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+    return alpha;
+}
+
+// acc_h = alpha_h * acc_h + sum_j p_hj c_j for the warp's heads, over the latent columns this lane holds.
+__device__ __forceinline__ void mla_accumulate(const float* tile, int n, int lane, int R,
+                                               const float (&alpha)[MLA_HPW], const float (&p_tile)[MLA_HPW][MLA_TILE],
+                                               float4 (&acc)[MLA_HPW][MLA_LATENT_CHUNKS]) {
+#pragma unroll
+    for (int hh = 0; hh < MLA_HPW; ++hh) {
+        const float al = alpha[hh];
+#pragma unroll
+        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
+            acc[hh][i].x *= al; acc[hh][i].y *= al; acc[hh][i].z *= al; acc[hh][i].w *= al;
+        }
+    }
+    for (int j = 0; j < n; ++j) {
+        const float* row = tile + j * MLA_ROW;
+        float p[MLA_HPW];
+#pragma unroll
+        for (int hh = 0; hh < MLA_HPW; ++hh) p[hh] = p_tile[hh][j];
+#pragma unroll
+        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
+            const int col = 4 * lane + 128 * i;
+            if (col < R) {
+                const float4 c = k3_ld4(row + col);
+#pragma unroll
+                for (int hh = 0; hh < MLA_HPW; ++hh) {
+                    acc[hh][i].x += p[hh] * c.x; acc[hh][i].y += p[hh] * c.y;
+                    acc[hh][i].z += p[hh] * c.z; acc[hh][i].w += p[hh] * c.w;
+                }
+            }
+        }
+    }
+}
+
+// One (head group, split, sequence) block: the unnormalised partial output and its softmax statistics
+// (m, l) over the split's tokens, for mla_combine. Per tile: load it to shared memory, score it, run the
+// online softmax, accumulate.
 template <typename T>
 __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, const T* __restrict__ kv,
                                                const int* __restrict__ block_table, const int* __restrict__ seq_lens,
@@ -135,25 +242,14 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
     const int my_hh = lane >> 3;                                   // the head whose softmax this lane runs
     const int* bt_row = block_table + (int64_t)b * max_pages;
 
-    // q slices: latent columns 4*lane + 128*i, rope columns R + 2*lane, R + 2*lane + 1; zero when out of range.
-    // (Scalar loads: a q row starts 16-byte aligned only when W % 4 == 0, and this runs once per block.)
     float4 qc[MLA_HPW][MLA_LATENT_CHUNKS];
     float2 qp[MLA_HPW];
     float4 acc[MLA_HPW][MLA_LATENT_CHUNKS];
+    mla_load_q(q, b, h0, lane, H, R, P, qc, qp);
 #pragma unroll
-    for (int hh = 0; hh < MLA_HPW; ++hh) {
-        const int h = h0 + hh;
-        const float* qrow = q + ((int64_t)b * H + h) * W;
+    for (int hh = 0; hh < MLA_HPW; ++hh)
 #pragma unroll
-        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
-            const int col = 4 * lane + 128 * i;
-            qc[hh][i] = (h < H && col < R) ? make_float4(qrow[col], qrow[col + 1], qrow[col + 2], qrow[col + 3])
-                                           : make_float4(0.f, 0.f, 0.f, 0.f);
-            acc[hh][i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        qp[hh] = (h < H && 2 * lane < P) ? make_float2(qrow[R + 2 * lane], qrow[R + 2 * lane + 1])
-                                         : make_float2(0.f, 0.f);
-    }
+        for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) acc[hh][i] = make_float4(0.f, 0.f, 0.f, 0.f);
     float m_run = -INFINITY, l_run = 0.f;
 
     for (int tb = t0; tb < t1; tb += MLA_TILE) {
@@ -163,81 +259,16 @@ __device__ __forceinline__ void mla_split_body(const float* __restrict__ q, cons
         __syncthreads();
         if (!warp_active) continue;
 
-        // scores of this tile for head my_hh (rows j >= n are stale and never touched)
         float s[MLA_TILE];
-#pragma unroll
-        for (int j = 0; j < MLA_TILE; ++j) {
-            s[j] = -INFINITY;
-            if (j < n) {
-                const float* row = tile + j * MLA_ROW;
-                float a[MLA_HPW] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
-                    const int col = 4 * lane + 128 * i;
-                    if (col < R) {
-                        const float4 c = k3_ld4(row + col);
-#pragma unroll
-                        for (int hh = 0; hh < MLA_HPW; ++hh)
-                            a[hh] += qc[hh][i].x * c.x + qc[hh][i].y * c.y + qc[hh][i].z * c.z + qc[hh][i].w * c.w;
-                    }
-                }
-                if (2 * lane < P) {
-                    const float2 c = *reinterpret_cast<const float2*>(row + R + 2 * lane);
-#pragma unroll
-                    for (int hh = 0; hh < MLA_HPW; ++hh) a[hh] += qp[hh].x * c.x + qp[hh].y * c.y;
-                }
-                s[j] = mla_reduce_scatter4(a, lane) * scale;
-            }
-        }
-
-        // online softmax for head my_hh (the 8 lanes of a quarter hold identical values)
-        float m_tile = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < MLA_TILE; ++j) m_tile = fmaxf(m_tile, s[j]);
-        const float m_new = fmaxf(m_run, m_tile);      // finite: the tile has >= 1 row
-        const float alpha = expf(m_run - m_new);       // 0 on the first tile (m_run = -inf)
-        float psum = 0.f;
-#pragma unroll
-        for (int j = 0; j < MLA_TILE; ++j) {
-            s[j] = (j < n) ? expf(s[j] - m_new) : 0.f;
-            psum += s[j];
-        }
-        l_run = l_run * alpha + psum;
-        m_run = m_new;
+        mla_tile_scores(tile, n, lane, R, P, scale, qc, qp, s);
+        const float alpha = mla_online_softmax(s, n, m_run, l_run);
         if ((lane & 7) == 0) {
             alpha_s[warp][my_hh] = alpha;
 #pragma unroll
             for (int j = 0; j < MLA_TILE; ++j) p_s[warp][my_hh][j] = s[j];
         }
         __syncwarp();
-
-        // acc_h = alpha_h * acc_h + sum_j p_hj c_j
-#pragma unroll
-        for (int hh = 0; hh < MLA_HPW; ++hh) {
-            const float al = alpha_s[warp][hh];
-#pragma unroll
-            for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
-                acc[hh][i].x *= al; acc[hh][i].y *= al; acc[hh][i].z *= al; acc[hh][i].w *= al;
-            }
-        }
-        for (int j = 0; j < n; ++j) {
-            const float* row = tile + j * MLA_ROW;
-            float p[MLA_HPW];
-#pragma unroll
-            for (int hh = 0; hh < MLA_HPW; ++hh) p[hh] = p_s[warp][hh][j];
-#pragma unroll
-            for (int i = 0; i < MLA_LATENT_CHUNKS; ++i) {
-                const int col = 4 * lane + 128 * i;
-                if (col < R) {
-                    const float4 c = k3_ld4(row + col);
-#pragma unroll
-                    for (int hh = 0; hh < MLA_HPW; ++hh) {
-                        acc[hh][i].x += p[hh] * c.x; acc[hh][i].y += p[hh] * c.y;
-                        acc[hh][i].z += p[hh] * c.z; acc[hh][i].w += p[hh] * c.w;
-                    }
-                }
-            }
-        }
+        mla_accumulate(tile, n, lane, R, alpha_s[warp], p_s[warp], acc);
         __syncwarp();  // p_s / alpha_s are rewritten by the next tile
     }
 
