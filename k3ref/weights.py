@@ -98,64 +98,81 @@ def _layer_specs(cfg: K3Config, i: int, experts: bool = True) -> list[TensorSpec
 
 
 def _block_specs(cfg: K3Config, p: str, mla: bool, dense: bool, experts: bool, i: int) -> list[TensorSpec]:
-    """The tensors of a layer of the given kind under prefix p (layer i names the routed experts)."""
+    """The tensors of a layer of the given kind under prefix p (layer i names the routed experts): its norms and
+    AttnRes queries, its mixer (MLA or KDA), its MLP (dense or LatentMoE, with or without the routed experts)."""
+    mixer = _mla_specs(cfg, p + "self_attn.") if mla else _kda_specs(cfg, p + "self_attn.")
+    mlp = _dense_mlp_specs(cfg, p + "mlp.") if dense else _moe_specs(cfg, p + "block_sparse_moe.", experts, i)
+    return _layer_norm_specs(cfg, p) + mixer + mlp
+
+
+def _layer_norm_specs(cfg: K3Config, p: str) -> list[TensorSpec]:
+    """Every layer's four RMSNorm weights and two AttnRes query projections."""
     D = cfg.hidden_size
     out = [TensorSpec(p + n, (D,), "BF16") for n in
            ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attention_res_norm.weight",
             "mlp_res_norm.weight")]
-    out += [TensorSpec(p + n, (1, D), "BF16") for n in ("self_attention_res_proj.weight", "mlp_res_proj.weight")]
-    a = p + "self_attn."
-    if mla:
-        H, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        out += [
-            TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, D), "BF16"),
-            TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "BF16"),
-            TensorSpec(a + "q_b_proj.weight", (H * qk, cfg.q_lora_rank), "BF16"),
-            TensorSpec(a + "kv_a_proj_with_mqa.weight", (R + P, D), "BF16"),
-            TensorSpec(a + "kv_a_layernorm.weight", (R,), "BF16"),
-            TensorSpec(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + V), R), "BF16"),
-            TensorSpec(a + "g_proj.weight", (H * V, D), "BF16"),
-            TensorSpec(a + "o_proj.weight", (D, H * V), "BF16"),
-        ]
+    return out + [TensorSpec(p + n, (1, D), "BF16") for n in ("self_attention_res_proj.weight", "mlp_res_proj.weight")]
+
+
+def _mla_specs(cfg: K3Config, a: str) -> list[TensorSpec]:
+    """Gated NoPE MLA's projections and norms (no rotary tensors)."""
+    D, H, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    return [
+        TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, D), "BF16"),
+        TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "BF16"),
+        TensorSpec(a + "q_b_proj.weight", (H * qk, cfg.q_lora_rank), "BF16"),
+        TensorSpec(a + "kv_a_proj_with_mqa.weight", (R + P, D), "BF16"),
+        TensorSpec(a + "kv_a_layernorm.weight", (R,), "BF16"),
+        TensorSpec(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + V), R), "BF16"),
+        TensorSpec(a + "g_proj.weight", (H * V, D), "BF16"),
+        TensorSpec(a + "o_proj.weight", (D, H * V), "BF16"),
+    ]
+
+
+def _kda_specs(cfg: K3Config, a: str) -> list[TensorSpec]:
+    """KDA's projections, short convolutions, gate parameters and output norm (F32 where K3 keeps F32)."""
+    D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+    HK, W = H * K, cfg.short_conv_kernel_size
+    out = [TensorSpec(a + f"{x}_proj.weight", (HK, D), "BF16") for x in "qkv"]
+    out += [TensorSpec(a + f"{x}_conv1d.weight", (HK, 1, W), "F32") for x in "qkv"]
+    out += [
+        TensorSpec(a + "A_log", (cfg.a_log_size,), "F32"),
+        TensorSpec(a + "dt_bias", (HK,), "F32"),
+        TensorSpec(a + "f_a_proj.weight", (K, D), "BF16"),
+        TensorSpec(a + "f_b_proj.weight", (HK, K), "BF16"),
+        TensorSpec(a + "b_proj.weight", (H, D), "BF16"),
+    ]
+    if cfg.use_full_rank_gate:
+        out.append(TensorSpec(a + "g_proj.weight", (HK, D), "BF16"))
     else:
-        H, K = cfg.kda_num_heads, cfg.kda_head_dim
-        HK, W = H * K, cfg.short_conv_kernel_size
-        out += [TensorSpec(a + f"{x}_proj.weight", (HK, D), "BF16") for x in "qkv"]
-        out += [TensorSpec(a + f"{x}_conv1d.weight", (HK, 1, W), "F32") for x in "qkv"]
-        out += [
-            TensorSpec(a + "A_log", (cfg.a_log_size,), "F32"),
-            TensorSpec(a + "dt_bias", (HK,), "F32"),
-            TensorSpec(a + "f_a_proj.weight", (K, D), "BF16"),
-            TensorSpec(a + "f_b_proj.weight", (HK, K), "BF16"),
-            TensorSpec(a + "b_proj.weight", (H, D), "BF16"),
-        ]
-        if cfg.use_full_rank_gate:
-            out.append(TensorSpec(a + "g_proj.weight", (HK, D), "BF16"))
-        else:
-            out += [TensorSpec(a + "g_a_proj.weight", (K, D), "BF16"),
-                    TensorSpec(a + "g_b_proj.weight", (HK, K), "BF16")]
-        out += [TensorSpec(a + "o_norm.weight", (K,), "F32"), TensorSpec(a + "o_proj.weight", (D, HK), "BF16")]
-    if dense:
-        m, I = p + "mlp.", cfg.intermediate_size
-        out += [TensorSpec(m + "gate_proj.weight", (I, D), "BF16"), TensorSpec(m + "up_proj.weight", (I, D), "BF16"),
-                TensorSpec(m + "down_proj.weight", (D, I), "BF16")]
-    else:
-        m, E, Lt, I = p + "block_sparse_moe.", cfg.n_routed_experts, cfg.routed_expert_hidden_size, \
-            cfg.moe_intermediate_size
-        S = cfg.shared_intermediate_size
-        out += [TensorSpec(m + "gate.weight", (E, D), "BF16"),
-                TensorSpec(m + "gate.e_score_correction_bias", (E,), "F32"),
-                TensorSpec(m + "routed_expert_down_proj.weight", (Lt, D), "BF16")]
-        if cfg.latent_moe_use_norm:
-            out.append(TensorSpec(m + "routed_expert_norm.weight", (Lt,), "BF16"))
-        out.append(TensorSpec(m + "routed_expert_up_proj.weight", (D, Lt), "BF16"))
-        if S:
-            out += [TensorSpec(m + "shared_experts.gate_proj.weight", (S, D), "BF16"),
-                    TensorSpec(m + "shared_experts.up_proj.weight", (S, D), "BF16"),
-                    TensorSpec(m + "shared_experts.down_proj.weight", (D, S), "BF16")]
-        for e in range(E if experts else 0):
-            out += _expert_specs(cfg, i, e)
+        out += [TensorSpec(a + "g_a_proj.weight", (K, D), "BF16"), TensorSpec(a + "g_b_proj.weight", (HK, K), "BF16")]
+    return out + [TensorSpec(a + "o_norm.weight", (K,), "F32"), TensorSpec(a + "o_proj.weight", (D, HK), "BF16")]
+
+
+def _dense_mlp_specs(cfg: K3Config, m: str) -> list[TensorSpec]:
+    """The dense SiTU MLP of the first layers."""
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    return [TensorSpec(m + "gate_proj.weight", (I, D), "BF16"), TensorSpec(m + "up_proj.weight", (I, D), "BF16"),
+            TensorSpec(m + "down_proj.weight", (D, I), "BF16")]
+
+
+def _moe_specs(cfg: K3Config, m: str, experts: bool, i: int) -> list[TensorSpec]:
+    """Stable LatentMoE: router, latent projections and norm, the fused shared experts, and (when `experts`)
+    every routed expert of layer i."""
+    D, E, Lt, S = cfg.hidden_size, cfg.n_routed_experts, cfg.routed_expert_hidden_size, cfg.shared_intermediate_size
+    out = [TensorSpec(m + "gate.weight", (E, D), "BF16"),
+           TensorSpec(m + "gate.e_score_correction_bias", (E,), "F32"),
+           TensorSpec(m + "routed_expert_down_proj.weight", (Lt, D), "BF16")]
+    if cfg.latent_moe_use_norm:
+        out.append(TensorSpec(m + "routed_expert_norm.weight", (Lt,), "BF16"))
+    out.append(TensorSpec(m + "routed_expert_up_proj.weight", (D, Lt), "BF16"))
+    if S:
+        out += [TensorSpec(m + "shared_experts.gate_proj.weight", (S, D), "BF16"),
+                TensorSpec(m + "shared_experts.up_proj.weight", (S, D), "BF16"),
+                TensorSpec(m + "shared_experts.down_proj.weight", (D, S), "BF16")]
+    for e in range(E if experts else 0):
+        out += _expert_specs(cfg, i, e)
     return out
 
 
