@@ -43,6 +43,7 @@ from k3ref.config import K3Config
 from k3ref.cores import CORE_NAMES, UnsupportedShape, reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, forward_one_layer
 from k3ref.kda import KdaState
+from k3ref.latent_moe import route_weights
 from k3ref.ops import sigmoid
 
 from . import backends, gates
@@ -134,11 +135,7 @@ class _RouterTap:
             return w, idx
         self.forced += int(near.sum())
         gold = np.asarray(self.golden[f"route.{self.where}.choice"]).astype(np.int64)
-        s = sigmoid(np.asarray(logits))
-        gw = np.take_along_axis(s, gold, axis=-1)
-        if renormalize:
-            gw = gw / (np.sum(gw, axis=-1, keepdims=True) + 1e-20)
-        gw = (gw * scaling).astype(np.asarray(w).dtype)
+        gw = route_weights(sigmoid(np.asarray(logits)), gold, renormalize, scaling).astype(np.asarray(w).dtype)
         return np.where(near[:, None], gw, w), np.where(near[:, None], gold, np.asarray(idx))
 
 

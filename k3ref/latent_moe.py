@@ -117,10 +117,17 @@ def sigmoid_topk(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int 
         np.put_along_axis(masked, keep, False, axis=-1)
         choice = np.where(masked[..., None], -np.inf, grouped).reshape(T, E)
     idx = _topk_desc(choice, top_k).astype(np.int64)
+    return route_weights(s, idx, renormalize, scaling), idx
+
+
+def route_weights(s: np.ndarray, idx: np.ndarray, renormalize: bool = True, scaling: float = 1.0) -> np.ndarray:
+    """The routing weights of chosen experts: s [T, E] (sigmoid scores, unbiased), idx [T, k] -> [T, k] in s's
+    dtype, s[idx] divided by (sum + 1e-20) when renormalize, times scaling. sigmoid_topk's last step; also
+    what a caller that fixes the choice (a teacher-forced route) weights it by."""
     w = np.take_along_axis(s, idx, axis=-1)
     if renormalize:
         w = w / (np.sum(w, axis=-1, keepdims=True) + RENORM_EPS)
-    return (w * scaling).astype(s.dtype, copy=False), idx
+    return (w * scaling).astype(s.dtype, copy=False)
 
 
 def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
