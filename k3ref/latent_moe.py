@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from . import mxfp4
 from .checks import as_float, check_shape, require
 from .ops import linear, rmsnorm, sigmoid
 from .situ import situ_glu, situ_glu_vec
@@ -190,7 +191,6 @@ def _cores(cores):
     """`cores`, or this module's own reference steps when None (the registry k3ref.cores imports this module,
     so this module does not import it)."""
     if cores is None:
-        from . import mxfp4
         return types.SimpleNamespace(moe_route=sigmoid_topk, mxfp4_gemv=mxfp4.mxfp4_gemv, rmsnorm=rmsnorm,
                                      situ_glu=situ_glu)
     return cores
@@ -199,8 +199,6 @@ def _cores(cores):
 def _gemv_of(cores):
     """The gemv for experts whose tensors `_expert_tensors` checked: the reference core's checked-once form when
     `cores` has the reference core, else the swapped-in core itself (a kernel under test sees every call)."""
-    from . import mxfp4
-
     return mxfp4.mxfp4_gemv_prechecked if cores.mxfp4_gemv is mxfp4.mxfp4_gemv else cores.mxfp4_gemv
 
 
@@ -217,14 +215,12 @@ def _one_token_experts(tensors: dict, z: np.ndarray, cfg: LatentMoeConfig, cores
     w1 and w3 of all experts are dequantised into one buffer each and multiplied at once, SiTU runs once,
     and w2 is dequantised at once and multiplied per expert: each output element is the same dot product as in
     `_run_expert`, in the same order."""
-    from .mxfp4 import dequantize_rows
-
     Dl, I, n = cfg.latent_size, cfg.moe_intermediate_size, len(tensors)
 
     def stacked(proj: str, rows: int, cols: int) -> np.ndarray:
         W = np.empty((n * rows, cols), np.float32)
         for j, t in enumerate(tensors.values()):
-            dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
+            mxfp4.dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
         return W.astype(z.dtype, copy=False)
 
     gate = (z @ stacked("w1", I, Dl).T).reshape(n, I)
@@ -256,8 +252,6 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     sums all-reduced by the caller); None = all.
     """
     cores = _cores(cores)
-    from . import mxfp4
-
     gemv = _gemv_of(cores)
     z = as_float("z", z)
     check_shape("z", z, (None, cfg.latent_size))
@@ -323,8 +317,6 @@ def random_moe_weights(cfg: LatentMoeConfig, rng: np.random.Generator, dtype=np.
     def lin(out, inp):
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(dtype)
 
-    from .mxfp4 import quantize
-
     w = {
         "gate.weight": lin(E, D),
         "gate.e_score_correction_bias": (0.1 * rng.standard_normal(E)).astype(np.float32),
@@ -338,7 +330,7 @@ def random_moe_weights(cfg: LatentMoeConfig, rng: np.random.Generator, dtype=np.
         w["shared_experts.down_proj.weight"] = lin(D, Is)
     for e in range(E):
         for proj, (rows, cols) in (("w1", (I, Dl)), ("w3", (I, Dl)), ("w2", (Dl, I))):
-            packed, scale = quantize(rng.standard_normal((rows, cols)) / np.sqrt(cols))
+            packed, scale = mxfp4.quantize(rng.standard_normal((rows, cols)) / np.sqrt(cols))
             w[f"experts.{e}.{proj}.weight_packed"] = packed
             w[f"experts.{e}.{proj}.weight_scale"] = scale
     return w
