@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3ref.safetensors_io import FormatError, is_int, loads_strict, parse_bytes, read_json
+from k3ref.safetensors_io import NUMPY_DTYPES, FormatError, is_int, loads_strict, parse_bytes, read_json
 
 SCHEMA_VERSION = "1"
 GROUPS = ("inputs", "weights", "inter", "outputs")
@@ -43,13 +43,9 @@ COMMITTED_ROOT = REPO_ROOT / "golden"
 # kernels differ at the last bit between CPUs; a real change of the math moves results far more.
 ROUNDING_DRIFT = 1e-12
 
-# numpy dtype <-> safetensors dtype tag (little-endian on disk)
-_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
-}
-_NP_OF = {tag: np.dtype(name) for name, tag in _DTYPES.items()}
+# numpy dtype <-> safetensors dtype tag (little-endian on disk): the dtypes numpy has natively (no BF16 in goldens)
+_NP_OF = dict(NUMPY_DTYPES)
+_DTYPES = {dt.name: tag for tag, dt in _NP_OF.items()}
 _ITEMSIZE = {tag: dt.itemsize for tag, dt in _NP_OF.items()}
 
 

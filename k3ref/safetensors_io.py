@@ -27,11 +27,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 # The safetensors library refuses a longer header (its HeaderTooLarge); a longer length field is damage.
 MAX_HEADER_BYTES = 100_000_000
 # Every dtype a safetensors header may name, with its item size in bytes.
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
             "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+# The numpy dtype of each numeric tag that numpy has natively (little-endian on disk); BF16 via ml_dtypes.
+NUMPY_DTYPES = {tag: np.dtype(name) for tag, name in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("I64", "int64"), ("I32", "int32"),
+    ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+    ("BOOL", "bool"))}
 # Dims and byte counts must fit a signed 64-bit index (numpy's intp; the library's usize is wider).
 _INDEX_LIMIT = 2**63
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
@@ -127,6 +134,18 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
     except (OSError, ValueError) as e:   # ValueError: a path with a NUL byte
         raise FormatError(path, f"cannot read {what}: {e}") from None
     return loads_strict(raw, path, what)
+
+
+def numpy_dtype(tag: str) -> np.dtype:
+    """The numpy dtype that holds a tensor stored as `tag` (BF16: ml_dtypes.bfloat16); ValueError naming the
+    tags it knows when numpy has none (the FP8 tags)."""
+    if tag == "BF16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if tag not in NUMPY_DTYPES:
+        raise ValueError(f"dtype: expected one of BF16, {', '.join(NUMPY_DTYPES)}, found {tag}")
+    return NUMPY_DTYPES[tag]
 
 
 def is_int(x: Any) -> bool:

@@ -18,19 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from .checks import require
+from .safetensors_io import numpy_dtype
 from .tp import TpPlan
 from .weights import HeaderEntry, inventory, stored_tensors
-
-_NP_DTYPES = {"F64": np.float64, "F32": np.float32, "U8": np.uint8, "I64": np.int64, "I32": np.int32}
-
-
-def _np_dtype(code: str):
-    if code == "BF16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    require(code in _NP_DTYPES, f"dtype: expected one of BF16, {', '.join(_NP_DTYPES)}, found {code}")
-    return _NP_DTYPES[code]
 
 
 @dataclasses.dataclass
@@ -53,7 +43,7 @@ class SliceReader:
         """The whole tensor as a read-only view of the file mapping: nothing is read until it is sliced."""
         if h.path not in self._maps:
             self._maps[h.path] = np.memmap(h.path, dtype=np.uint8, mode="r")
-        return self._maps[h.path][h.begin:h.end].view(_np_dtype(h.dtype)).reshape(h.shape)
+        return self._maps[h.path][h.begin:h.end].view(numpy_dtype(h.dtype)).reshape(h.shape)
 
     def copy(self, part: np.ndarray, elements: int | None = None) -> np.ndarray:
         """Copy a slice of a view out of the mapping; `elements` (default all) is what the copy reads."""

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
+from k3ref.safetensors_io import ITEMSIZE   # the golden stores bf16 weights as exact F32: bytes by its dtype
+
 from .comm import CollectiveError, TorchComm
 from .launch import error_path, init_group
 
-ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "U8": 1}   # the golden stores bf16 weights as exact F32
 RANK_FIELDS = ("rank", "pid", "bytes_read", "resident", "plan_bytes", "plan_replicated", "tensors")
 
 
