@@ -25,6 +25,7 @@ processes over torch.distributed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import NamedTuple, Protocol
@@ -189,7 +190,7 @@ class TpPlan:
         """
         out = {g: 0 for g in (*GROUPS, "replicated")}
         if itemsize is None:   # experts are whole and ~99% of K3's tensors: summed per expert index once
-            out["experts"] = sum(self._expert_bytes()[e] for e in range(*self.expert_range(rank)))
+            out["experts"] = sum(self._expert_bytes[e] for e in range(*self.expert_range(rank)))
         for e in self.entries.values():
             if e.kind == "expert" and (itemsize is None or not self.holds(e.spec.name, rank)):
                 continue
@@ -201,15 +202,14 @@ class TpPlan:
         out["total"] = sum(out[g] for g in GROUPS)
         return out
 
+    @functools.cached_property
     def _expert_bytes(self) -> list[int]:
-        """Stored bytes of routed expert e over all MoE layers, by e."""
-        if not hasattr(self, "_expert_bytes_cache"):
-            by = [0] * self.cfg.n_routed_experts
-            for e in self.entries.values():
-                if e.kind == "expert":
-                    by[_expert_index(e.spec.name)] += e.local_bytes
-            self._expert_bytes_cache = by
-        return self._expert_bytes_cache
+        """Stored bytes of routed expert e over all MoE layers, by e (counted once per plan)."""
+        by = [0] * self.cfg.n_routed_experts
+        for e in self.entries.values():
+            if e.kind == "expert":
+                by[_expert_index(e.spec.name)] += e.local_bytes
+        return by
 
     def rank(self, rank: int, comm: "Comm") -> "TpRank":
         """What rank `rank` needs beside its weights to run the host graph: its ranges and `comm`."""
