@@ -272,7 +272,8 @@ def guard_kernels(cores, kernel_names):
     return cores.replace(**swaps), calls, fallbacks
 
 
-def _model_name(case: Case) -> str:
+def model_name(case: Case) -> str:
+    """The preset a trace case runs: its `model` param, else its case set's config."""
     return case.params.get("model", case.config)
 
 
@@ -291,7 +292,7 @@ class TraceKind:
 
         from .torch_model.trace import verify_trace_golden   # the independent model must agree, else no golden
 
-        cfg = K3Config.preset(_model_name(case))
+        cfg = K3Config.preset(model_name(case))
         prompt = list(PROMPT[:case.params.get("prompt", len(PROMPT))])
         decode = case.params.get("decode", DECODE_STEPS)
         weights = synthetic_weights(cfg, case.seed)
@@ -312,12 +313,11 @@ class TraceKind:
         verify_trace_golden(case.name, cfg.to_json(), weights, tokens, len(prompt), outputs)
         _refuse_ties(case, tap.record, margins)
         lengths = {k: case.params[k] for k in ("prompt", "decode") if k in case.params}
-        return Content(tensors, {"mode": case.params["mode"], "config": _model_name(case), **lengths})
+        return Content(tensors, {"mode": case.params["mode"], "config": model_name(case), **lengths})
 
     def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
         golden.require(["inputs.tokens"])
-        model_name = golden.kwargs.get("config", _model_name(case))
-        cfg = K3Config.preset(model_name)
+        cfg = K3Config.preset(golden.kwargs.get("config", model_name(case)))
         prompt_len = golden.kwargs.get("prompt", len(PROMPT))
         budgets = {c: v[0] for c, v in gates.MARGIN_BUDGETS.get(backend.precision, {}).items()}
         if hasattr(backend, "evaluate_trace"):   # a whole-model backend runs the trace by its own wiring
@@ -377,7 +377,7 @@ class TraceKind:
         if not m:
             return "lm_head" if tensor.endswith("logits") else "greedy"
         step, layer, slot = (int(g) for g in m.groups())
-        cfg = K3Config.preset(_model_name(case))
+        cfg = K3Config.preset(model_name(case))
         if slot in (1, 4):
             return "attnres_mix"
         if slot in (2, 5):
@@ -393,7 +393,7 @@ class TraceKind:
     def gate_tensor(self, case: Case, tensor: str) -> str:
         """'<model>/<tensor>': gate rows '<model>/step*' (one model config's measurements) win over the shared
         '*/step*' rows (add_trace_gates)."""
-        return f"{_model_name(case)}/{tensor}"
+        return f"{model_name(case)}/{tensor}"
 
     def is_gated(self, case: Case, tensor: str) -> bool:
         """The free run gates logits and tokens only; its intermediates are reported."""
@@ -401,7 +401,7 @@ class TraceKind:
 
     def timing(self, case: Case, golden, backend):
         if hasattr(backend, "time_trace"):   # a whole-model backend: the whole trace is what it times
-            cfg = K3Config.preset(golden.kwargs.get("config", _model_name(case)))
+            cfg = K3Config.preset(golden.kwargs.get("config", model_name(case)))
             return backend.time_trace(case, golden, cfg.to_json(), golden.kwargs.get("prompt", len(PROMPT)))
         return None  # cores are timed in their own cases
 

@@ -29,15 +29,13 @@ def run_tp_command(args) -> int:
     from rich.console import Console
 
     from .. import report as rep
-    from ..cases import select
+    from ..cases import all_cases, select
     from ..goldens import MANIFEST, default_root
     from .tprun import TRACE_KIND, check_plan, run_tp
 
     dist = _common(args)
     if args.backend and set(args.backend) != {"numpy64"}:
         raise UsageError(f"--tp runs the float64 reference cores (numpy64) on every rank; found --backend {args.backend}")
-    from ..cases import all_cases
-
     traces = [c for c in all_cases(args.config) if c.kind == TRACE_KIND]
     cases = select(traces, args.cases) if args.cases else traces
     if not cases:

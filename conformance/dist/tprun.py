@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import runner as _runner
 from ..cases import NOTES_KEY
-from ..traces import PROMPT
+from ..traces import PROMPT, model_name
 from .launch import TpFailure, check_dist, spawn, under_torchrun
 
 TRACE_KIND = "trace"
@@ -103,7 +103,7 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
     runner = _TpRunner(root, config, {})   # rank 0 reads (and checks) the goldens after the run, to gate
     job = {"kind": "trace", "tp": tp, "dist": dist, "timeout": timeout, "config": config, "golden_root": str(root),
            "cases": [c.name for c in cases], "mode": {c.name: c.params["mode"] for c in cases}, "mutant": mutant,
-           "model": {c.name: _model(c) for c in cases},
+           "model": {c.name: model_name(c) for c in cases},
            "prompt": {c.name: c.params.get("prompt", len(PROMPT)) for c in cases}}
     result = execute(job, workdir, on_start) if cases else {"tensors": {}, "ranks": {}}
     if not result:
@@ -125,22 +125,17 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
     return TpRunReport(config, [row], results, time.perf_counter() - t0, {}, ranks=result["ranks"])
 
 
-def _model(case) -> str:
-    """The preset a trace case runs (its `model` param, else its case set's config)."""
-    return case.params.get("model", case.config)
-
-
 def _splittable(cases, tp: int, mutant: str | None, backend):
     """(the cases whose model splits over `tp` ranks, a skip result for each of the others with the reason):
     e.g. k3geom's 2 heads do not split over 4 ranks, while tiny's 4 do."""
     keep, skipped = [], []
     for case in cases:
         try:
-            check_plan(_model(case), tp, mutant)
+            check_plan(model_name(case), tp, mutant)
             keep.append(case)
         except ValueError as e:
             skipped.append(_runner.CaseResult(case.name, case.block, backend.name, backend.precision, "skip",
-                                              error=f"--tp {tp} does not split model {_model(case)}: {e}"))
+                                              error=f"--tp {tp} does not split model {model_name(case)}: {e}"))
     return keep, skipped
 
 
