@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 
+import numpy as np
+
 from .compare import Comparison
 
 PRECISIONS = ("fp64", "fp32", "bf16")
@@ -111,6 +113,20 @@ MARGIN_BUDGETS: dict[str, dict[str, tuple[float, str]]] = {
                            "(the golden's step-1 margin is 1.2e-3: a near-tie at bf16, far from one at fp32)"),
     },
 }
+
+def near_tie_route(inter, where: str, budget: float):
+    """The golden's router choice at MoE layer step `where` ('step1.layer04') for the tokens whose golden margin
+    (`route.<where>.margin`) is below `budget`: (near [T] bool, choice [T, k] int64), or None where no token is
+    (or the golden stores no margin there, or the budget is 0). The one rule by which every trace backend, the
+    core path and the whole torch model alike, is teacher-forced."""
+    margin = inter.get(f"route.{where}.margin")
+    if margin is None or budget <= 0:
+        return None
+    near = np.asarray(margin) < budget
+    if not near.any():
+        return None
+    return near, np.asarray(inter[f"route.{where}.choice"]).astype(np.int64)
+
 
 # (block, backend) -> (target bw_ratio or None, target time_ratio or None, reason). Absent = report only.
 SPEED_TARGETS: dict[tuple[str, str], tuple[float | None, float | None, str]] = {}

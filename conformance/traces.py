@@ -127,14 +127,11 @@ class _RouterTap:
             self.record[f"route.{self.where}.choice"] = np.asarray(idx, np.int64)
             self.record[f"route.{self.where}.margin"] = route_margin(logits, bias, top_k, n_group, topk_group)
             return w, idx
-        margin = self.golden.get(f"route.{self.where}.margin")
-        if margin is None or self.budget <= 0:
+        forced = gates.near_tie_route(self.golden, self.where, self.budget)
+        if forced is None:
             return w, idx
-        near = np.asarray(margin) < self.budget
-        if not near.any():
-            return w, idx
+        near, gold = forced
         self.forced += int(near.sum())
-        gold = np.asarray(self.golden[f"route.{self.where}.choice"]).astype(np.int64)
         gw = route_weights(sigmoid(np.asarray(logits)), gold, renormalize, scaling).astype(np.asarray(w).dtype)
         return np.where(near[:, None], gw, w), np.where(near[:, None], gold, np.asarray(idx))
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from conformance.gates import near_tie_route
 from conformance.goldens import GoldenError
 
 RECORD = ("h", "x_mixer", "a", "m", "x_mlp", "f")
@@ -109,15 +110,12 @@ class RouteForcing:
         """The ForcedRoute of layer step `key` ('step1.layer04'), or None where no margin is below the budget."""
         from .modeling_k3 import ForcedRoute
 
-        margin = self.inter.get(f"route.{key}.margin")
-        if margin is None or self.budget <= 0:
+        forced = near_tie_route(self.inter, key, self.budget)
+        if forced is None:
             return None
-        near = np.asarray(margin) < self.budget
-        if not near.any():
-            return None
+        near, experts = forced
         self.forced += int(near.sum())
         torch = _torch()
-        experts = np.asarray(self.inter[f"route.{key}.choice"]).astype(np.int64)
         return ForcedRoute(torch.as_tensor(experts, device=device), torch.as_tensor(near, device=device))
 
 
