@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.speed import SpeedTargetMissed, one_blas_thread, race
+from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
 from k3ref.kda import kda_chunked, kda_decode_core, kda_gate, kda_recurrent
 
 CHUNKED_OVER_RECURRENT_MAX = 0.5   # the chunked prefill must take under half the recurrent one's time

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.speed import SpeedTargetMissed, one_blas_thread, race
+from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
 from k3ref.latent_moe import LatentMoeConfig, routed_expert
 
 EXPERT_FLOOR_TARGET = 10.0

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conformance.speed import SpeedTargetMissed
+from conformance.judge.speed import SpeedTargetMissed
 
 LOADED_OVER_QUIET_TARGET = 1.5
 REPEATS = 3

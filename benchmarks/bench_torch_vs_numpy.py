@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip install 'k3-conformance[torch]'")
 
-from conformance.baselines.torch_backend import make_backend  # noqa: E402
+from conformance.backends.pytorch import make_backend  # noqa: E402
 from k3ref.cores import reference_cores  # noqa: E402
 
 REPEATS = 7

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.speed import CopyFloor, SpeedTargetMissed, check_target
+from conformance.judge.speed import CopyFloor, SpeedTargetMissed, check_target
 
 _RECORDS: list[dict] = []
 

@@ -1,4 +1,4 @@
 """`python -m conformance ...` is the same CLI as `k3conf ...`."""
-from .cli import main
+from conformance.cli import main
 
 raise SystemExit(main())

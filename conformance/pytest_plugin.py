@@ -46,11 +46,11 @@ class ConformanceSession:
     def __init__(self, config, spec: str):
         from pathlib import Path
 
-        from .backends import get_backend, is_external
-        from .cases import all_cases, select
-        from .external import BackendError, check_cores
-        from .goldens import MANIFEST, default_root
-        from .runner import case_runner
+        from conformance.backends.registry import get_backend, is_external
+        from conformance.cases.core import all_cases, select
+        from conformance.backends.external import BackendError, check_cores
+        from conformance.golden.store import MANIFEST, default_root
+        from conformance.runner import case_runner
 
         try:
             self.backend = get_backend(spec)
@@ -77,7 +77,7 @@ class ConformanceSession:
             config.addinivalue_line("markers", f"{block}: K3 conformance cases of the block {block}")
 
     def report(self, results):
-        from .runner import RunReport
+        from conformance.runner import RunReport
 
         row = {"name": self.backend.name, "precision": self.backend.precision, "available": self.ok, "reason": self.why}
         return RunReport(config=self.runner.config, backends=[row], results=list(results),
@@ -97,7 +97,7 @@ class ConformanceSession:
 
         from rich.console import Console
 
-        from .report import print_terminal
+        from conformance.report import print_terminal
 
         text = io.StringIO()
         print_terminal(self.report(self.results), Console(file=text, width=max(100, shutil.get_terminal_size().columns)))

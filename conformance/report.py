@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .runner import CaseResult, RunReport
+from conformance.runner import CaseResult, RunReport
 
 
 def _cell(r: CaseResult) -> str:

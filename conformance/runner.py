@@ -4,7 +4,7 @@
 
 Per case the golden is read once (a broken golden makes the case an `error` row carrying the regen
 command; the run goes on). Per backend the case's kind runs it, each golden output is compared
-(conformance.compare) and judged by its gate row (conformance.gates). Low-precision rows need the error of
+(conformance.judge.compare) and judged by its gate row (conformance.judge.gates). Low-precision rows need the error of
 the same-precision baseline (fp32: numpy32, bf16: torch-bf16) on the same tensor, so the baseline is run
 on the case too (cached) even when it was not asked for; when it cannot run, the cap alone applies and the
 row says so. The baseline itself is judged by its absolute row (gates.BASELINE_GATES), never by itself.
@@ -32,11 +32,11 @@ import numpy as np
 
 from k3ref.cores import UnsupportedShape
 
-from . import gates
-from .backends import DEVICE_BACKENDS, get_backend, kernel_cores
-from .cases import INFO_KEY, NOTES_KEY, Case, kind_of
-from .compare import Comparison, compare
-from .goldens import GoldenError, golden_problems, load_manifest, read_golden, regen_command
+from conformance.judge import gates
+from conformance.backends.registry import DEVICE_BACKENDS, get_backend, kernel_cores
+from conformance.cases.core import INFO_KEY, NOTES_KEY, Case, kind_of
+from conformance.judge.compare import Comparison, compare
+from conformance.golden.store import GoldenError, golden_problems, load_manifest, read_golden, regen_command
 
 # The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.
@@ -383,7 +383,7 @@ def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> Runner
 
 def resolve_backends(names: list[str] | None) -> tuple[list, list[dict]]:
     """(runnable backends, availability rows for all requested, each name once); KeyError for an unknown name."""
-    from .backends import backend_names
+    from conformance.backends.registry import backend_names
 
     names = list(dict.fromkeys(names)) if names else backend_names()
     runnable, rows = [], []

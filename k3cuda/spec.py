@@ -1,7 +1,7 @@
 """Kernel specs: what the CPU-side gates and the loader need to know about each CUDA kernel.
 
 Each wrapper module `k3cuda/<block>.py` declares one `KernelSpec` named `KERNEL` for its source file
-`k3cuda/kernels/<block>.cu`. The CPU gates (tests/test_k3cuda_gates.py) compile every spec for every
+`k3cuda/kernels/<block>.cu`. The CPU gates (tests/k3cuda/test_k3cuda_gates.py) compile every spec for every
 arch in `ARCHS`, check ptxas resources against `EntrySpec.max_registers` / spills, and check each PTX
 `.entry` parameter list against `EntrySpec.arg_format` (PyCUDA `prepare()` format characters).
 """
@@ -130,7 +130,7 @@ class BenchCase:
 
 @dataclasses.dataclass(frozen=True)
 class CheckCase:
-    """One correctness configuration of a kernel for the GPU tests (tests/test_k3cuda_gpu.py).
+    """One correctness configuration of a kernel for the GPU tests (tests/k3cuda/test_k3cuda_gpu.py).
 
     make_inputs(rng) -> dict, the core's keyword arguments (small, awkward sizes; fresh random data).
     """

@@ -1,8 +1,8 @@
-"""Helpers shared by the GPU tests (tests/test_k3cuda_gpu.py) and tools/gpu_bench.py, and the kernels' CPU
+"""Helpers shared by the GPU tests (tests/k3cuda/test_k3cuda_gpu.py) and tools/gpu_bench.py, and the kernels' CPU
 emulation. No GPU needed to import.
 
 A kernel is checked against its k3ref core run in float64 on the same inputs (`reference_core`, `to_float64`);
-the comparison itself is conformance.compare's (`check_outputs`), the one engine that `k3conf run` uses too.
+the comparison itself is conformance.judge.compare's (`check_outputs`), the one engine that `k3conf run` uses too.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ A rank computes with the same host graph as TP 1 (k3ref.cpu_forward): its `K3Cpu
 (the rank, its expert and vocab ranges, and a `Comm`), and the graph calls `comm.all_reduce` where the plan
 puts the reductions: after each mixer's row-split o_proj, on the partial routed latent before the routed
 norm, and on the vocab-split embedding lookup; the vocab-split logits are all-gathered. k3ref holds no
-transport: `LoopbackGroup` runs ranks as threads of one process (tests), conformance.dist runs them as
+transport: `LoopbackGroup` runs ranks as threads of one process (tests), conformance.tp runs them as
 processes over torch.distributed.
 """
 from __future__ import annotations

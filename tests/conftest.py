@@ -27,8 +27,8 @@ REQUIREMENT_MARKERS = ("torch", "nvcc", "gxx")
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """A test marked torch / nvcc / gxx is skipped with the reason when that is missing, and fails under
-    K3_STRICT=1 (tests/strict.py). tryfirst: before any skipif of the test itself."""
-    from strict import require
+    K3_STRICT=1 (tests/support/strict.py). tryfirst: before any skipif of the test itself."""
+    from tests.support.strict import require
 
     for marker in REQUIREMENT_MARKERS:
         if item.get_closest_marker(marker) is not None:

@@ -1,7 +1,7 @@
 """Every tolerance and effect size the tests use is a row with a number and the reason for it."""
 from __future__ import annotations
 
-from tests.tolerances import EFFECT, ELEMENT, TOL
+from tests.support.tolerances import EFFECT, ELEMENT, TOL
 
 
 def test_every_row_has_a_positive_bound_and_a_reason():

@@ -4,7 +4,7 @@
 For each `bench_cases()` entry of each wrapper in k3cuda.KERNEL_MODULES: fresh random inputs, uploaded once;
 `time_fn` (below) of the kernel; achieved bytes/s from the case's Traffic; the ratio to the bandwidth of a
 copy kernel timed the same way at the start of this same run (the gate: ratio >= target_bw_ratio); the same
-math in PyTorch eager (the float32 baseline of `k3conf run`, conformance.baselines.torch_cores, inputs uploaded
+math in PyTorch eager (the float32 baseline of `k3conf run`, k3torch.cores, inputs uploaded
 once, timed with torch's own events) and the speedup over it.
 
 Timing (`time_fn`): before every repetition a memset of a buffer of twice the L2 size evicts the kernel's data
@@ -176,7 +176,7 @@ def torch_baseline(block: str, inputs: dict, device: str = "cuda"):
     once; the returned callable runs the math alone (what is timed)."""
     import torch
 
-    from conformance.baselines.torch_cores import torch_core
+    from k3torch.cores import torch_core
 
     core = torch_core(block, dtype=torch.float32, device=device)
     prepared = core.prepare(**inputs)

@@ -3,7 +3,7 @@
     python tools/kernel_resources.py
 
 Registers per arch, the entry's register budget (from __launch_bounds__), spill bytes and stack bytes: the
-same numbers tests/test_k3cuda_gates.py gates on.
+same numbers tests/k3cuda/test_k3cuda_gates.py gates on.
 """
 from __future__ import annotations
 

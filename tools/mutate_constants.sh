@@ -17,8 +17,8 @@ src = open(path).read()
 new, n = re.subn(pat, rep, src, count=1)
 sys.exit(0 if n else 1) if n == 0 else open(path, "w").write(new)
 PY
-    if (cd "$tmp" && PYTHONPATH="$tmp" "$py" -m pytest -q -x -p no:cacheprovider tests/test_kda.py tests/test_mla.py \
-            tests/test_mxfp4.py tests/test_conformance_cases.py >/dev/null 2>&1); then
+    if (cd "$tmp" && PYTHONPATH="$tmp" "$py" -m pytest -q -x -p no:cacheprovider tests/k3ref/test_kda.py tests/k3ref/test_mla.py \
+            tests/k3ref/test_mxfp4.py tests/conformance/test_conformance_cases.py >/dev/null 2>&1); then
         echo "SURVIVED  $name"; survived=1
     else
         echo "caught    $name"

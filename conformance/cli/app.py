@@ -1,0 +1,49 @@
+"""The `k3conf` command line. Each subcommand lives in conformance/cli/<name>.py with register(); COMMANDS lists them."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from conformance import __version__
+from conformance.cli import admit, blocks, decode, list as list_, model, regen, run, show
+from conformance.cli.usage import UsageError
+
+COMMANDS = (admit, blocks, decode, list_, model, regen, run, show)   # `k3conf --help` lists them in this order
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="k3conf",
+        description="Conformance, error budgets and speed gates for the Kimi K3 decoder kernels.",
+    )
+    parser.add_argument("--version", action="version", version=f"k3conf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    from conformance.golden.store import GoldenError
+
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, GoldenError) as e:   # GoldenError here: an unreadable manifest or golden (regen, show)
+        print(f"k3conf {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return EXIT_OK
+    except OSError as e:   # a path the checks above did not foresee: still a named file, not a traceback
+        print(f"k3conf {args.command}: {str(e.filename or '')[:300]}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""`k3conf list`: the cases, the backends (available here or why not), the mutants and the gate table."""
+from __future__ import annotations
+
+SECTIONS = ("cases", "backends", "mutants", "gates")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("list", help="list cases, backends (with availability), mutants and gates")
+    # no `choices=`: Python 3.11's argparse checks the empty default of nargs="*" against them and rejects a
+    # plain `k3conf list`; the sections are checked in run()
+    p.add_argument("what", nargs="*", metavar="{" + ",".join(SECTIONS) + "}", help="sections to show (default: all)")
+    p.add_argument("--config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from conformance.backends.registry import ALL_CORES, MUTANTS, availability, get_backend, kernel_cores
+    from conformance.cases.core import all_cases, load_plugins
+    from conformance.cli.usage import UsageError
+    from conformance.judge.gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
+
+    unknown = [w for w in args.what if w not in SECTIONS]
+    if unknown:
+        raise UsageError(f"unknown section(s) {unknown}; expected any of {list(SECTIONS)}")
+    what = args.what or SECTIONS
+    load_plugins()    # the model traces register their own gate rows and mutant on import
+    if "cases" in what:
+        cases = all_cases(args.config)
+        print(f"cases ({args.config}, {len(cases)}):")
+        for c in cases:
+            print(f"  {c.name:48s} kind={c.kind} seed={c.seed}")
+    if "backends" in what:
+        print("backends:")
+        for name, prec, ok, why in availability():
+            own = kernel_cores(get_backend(name)) if ok else ALL_CORES
+            only = "" if own == ALL_CORES else f" [kernels: {', '.join(sorted(own))}; other cores: k3ref's]"
+            print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}{only}")
+    if "mutants" in what:
+        print("mutants (run with --backend mutant:<name>):")
+        width = max(map(len, MUTANTS), default=0)
+        for name, m in MUTANTS.items():
+            print(f"  mutant:{name:{width}s} first failure expected in {m.block}: {m.description}")
+    if "gates" in what:
+        print("gates (block, tensor, precision): cap, k, floor -- reason:")
+        for (block, tensor, prec), g in GATES.items():
+            k = "-" if g.k is None else f"{g.k:g}"
+            print(f"  ({block}, {tensor}, {prec}): cap {g.cap:g}, k {k}, floor {g.floor:g} -- {g.reason}")
+        print("baseline gates (the baseline of a precision is judged by these absolute caps, never by itself;"
+              f" {', '.join(f'{p}: {b}' for p, b in BASELINE.items())}):")
+        for (block, tensor, prec), g in BASELINE_GATES.items():
+            print(f"  ({block}, {tensor}, {prec}): cap {g.cap:.3g} -- {g.reason}")
+        print("near-tie budgets (model traces: a golden margin below this is teacher-forced and counted):")
+        for prec, budgets in MARGIN_BUDGETS.items():
+            for choice, (value, why) in budgets.items():
+                print(f"  {prec} {choice}: {value:g} -- {why}")
+    return 0

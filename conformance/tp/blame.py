@@ -1,0 +1,100 @@
+"""Naming the rank: which rank's partial sum goes wrong first, from the golden layer inputs.
+
+Every all-reduce input of every rank is gathered (`tp.partial.NNNN`, [tp, ...], in call order: per step
+the embedding rows, then per layer the mixer's o_proj partial and, on a MoE layer, the routed latent). For a
+layerwise trace each layer's golden inputs are known, so each rank's expected share is the same k3ref code
+run on that rank's slice of the golden weights (cut by the correct plan) with the golden input and cache;
+the first (step, layer, sum) where a rank's partial differs names the rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from k3ref.config import K3Config
+from k3ref.cores import reference_cores
+from k3ref.cpu_forward import ForwardContext, K3CpuModel, mixer_forward
+from k3ref.latent_moe import latent_moe_forward
+from k3ref.tp import TpPlan
+
+from conformance.cases.traces import PROMPT, GoldenFeed
+from conformance.tp.rank import kda_slices
+
+# float64 partials of the same math on the same slices differ by summation order only (~1e-15 relative)
+PARTIAL_RTOL = 1e-9
+
+
+class _Captured(Exception):
+    def __init__(self, value):
+        self.value = value
+
+
+class _CaptureComm:
+    """A comm whose all_reduce hands back the partial it was given by raising: the rank's share, no more."""
+
+    def all_reduce(self, a):
+        raise _Captured(np.array(a, copy=True))
+
+    def all_gather(self, a):
+        raise _Captured(np.array(a, copy=True))
+
+
+def schedule(cfg: K3Config, steps: int) -> list[tuple[int, int | None, str]]:
+    """(step, layer, sum) of every all-reduce of a trace of `steps` steps (the prefill + one per decoded
+    token), in call order."""
+    out = []
+    for s in range(steps):
+        out.append((s, None, "embedding"))
+        for l in range(cfg.num_hidden_layers):
+            out.append((s, l, "mixer"))
+            if not cfg.mlp_is_dense(l):
+                out.append((s, l, "routed latent"))
+    return out
+
+
+def _expected(plan: TpPlan, rank: int, weights: dict, inter: dict, outputs: dict, s: int, l: int, what: str):
+    model = K3CpuModel(plan.local_config(), {n: plan.shard(n, w, rank) for n, w in weights.items()
+                                             if plan.holds(n, rank)}, np.float64,
+                       tp=plan.rank(rank, _CaptureComm()))
+    key = f"step{s}.layer{l:02d}"
+    cores = reference_cores()
+    if what == "mixer":
+        cache = model.new_cache()
+        seq = cache.add_sequence()
+        GoldenFeed(kda_slices(inter, plan, rank, plan.cfg.kda_head_dim), "fp64").layer_cache(cache, seq, s, l)
+        return mixer_forward(ForwardContext(model, cores, seq, prefill=(s == 0)), l, outputs[f"{key}.2_x_mixer"], cache)
+    try:
+        latent_moe_forward(model.layer(l).sub("block_sparse_moe."), outputs[f"{key}.5_x_mlp"], model.moe_cfg, cores,
+                           experts=model.tp.experts, all_reduce=model.tp.comm.all_reduce)
+    except _Captured as c:
+        return c.value
+    raise AssertionError("latent_moe_forward returned without reducing its routed latent")
+
+
+def blame_ranks(case, golden, outs: dict, tp: int) -> list[str]:
+    """Lines naming the first rank whose partial sum differs from its share (layerwise cases)."""
+    if golden.kwargs.get("mode") != "layerwise":
+        return [f"{case.name} runs freely (errors accumulate): the layerwise trace names the rank"]
+    cfg = K3Config.preset(golden.kwargs.get("config", case.config))
+    plan = TpPlan(cfg, tp)
+    weights, inter, outputs = golden.group("weights"), golden.group("inter"), golden.group("outputs")
+    steps = len(golden.group("inputs")["tokens"]) - golden.kwargs.get("prompt", len(PROMPT)) + 1
+    for i, (s, l, what) in enumerate(schedule(cfg, steps)):
+        got = outs.get(f"tp.partial.{i:04d}")
+        if got is None:
+            return [f"rank partials stop at all-reduce #{i}: the ranks ran another schedule than step {s}"]
+        if l is None:
+            continue
+        bad = []
+        for r in range(tp):
+            want = _expected(plan, r, weights, inter, outputs, s, l, what)
+            if got[r].shape != want.shape:
+                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {l} has shape {list(got[r].shape)}, "
+                           f"its share of the golden {list(want.shape)}")
+                continue
+            err = np.linalg.norm(got[r] - want) / max(np.linalg.norm(want), 1e-300)
+            if not err <= PARTIAL_RTOL:
+                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {l} differs from its share of the "
+                           f"golden (rel err {err:.1e}): that rank's shard or its heads are what goes wrong")
+        if bad:
+            return bad
+    return ["every rank's partial sums match their shares of the golden: the fault is after the all-reduce"]
