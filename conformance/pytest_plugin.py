@@ -46,9 +46,9 @@ class ConformanceSession:
     def __init__(self, config, spec: str):
         from pathlib import Path
 
+        from conformance.backends.external import BackendError, check_cores
         from conformance.backends.registry import get_backend, is_external
         from conformance.cases.core import all_cases, select
-        from conformance.backends.external import BackendError, check_cores
         from conformance.golden.store import MANIFEST, default_root
         from conformance.runner import case_runner
 

@@ -30,13 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from k3ref.cores import UnsupportedShape
-
-from conformance.judge import gates
 from conformance.backends.registry import DEVICE_BACKENDS, get_backend, kernel_cores
 from conformance.cases.core import INFO_KEY, NOTES_KEY, Case, kind_of
-from conformance.judge.compare import Comparison, compare
 from conformance.golden.store import GoldenError, golden_problems, load_manifest, read_golden, regen_command
+from conformance.judge import gates
+from conformance.judge.compare import Comparison, compare
+from k3ref.cores import UnsupportedShape
 
 # The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.

@@ -56,7 +56,7 @@ def nvcc_path() -> str | None:
     return os.environ.get("K3CUDA_NVCC") or shutil.which("nvcc")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvcc_version() -> str:
     """`nvcc --version`'s text (part of every cache key)."""
     nvcc = _require_nvcc()

@@ -199,7 +199,7 @@ def emulator_library(spec):
     import tempfile
     from pathlib import Path
 
-    from .build import BuildError, KERNEL_DIR, cache_dir, source_closure
+    from .build import KERNEL_DIR, BuildError, cache_dir, source_closure
 
     gxx = shutil.which("g++")
     if not gxx:

@@ -148,7 +148,7 @@ class AttnResHub:
         """AR(blocks + [prefix], w_out): the input of the final norm and lm_head."""
         return self._ar(proj_w, norm_w, mix, cores)
 
-    def copy(self) -> "AttnResHub":
+    def copy(self) -> AttnResHub:
         """An independent copy (arrays copied) of this state."""
         new = type(self)(self.block_size)
         new.blocks = [b.copy() for b in self.blocks]

@@ -141,7 +141,7 @@ class MlaKv:
         """[B] int32: cached tokens per listed sequence."""
         return np.array([self._lens[s] for s in self._ids(seq_ids)], dtype=np.int32)
 
-    def copy(self) -> "MlaKv":
+    def copy(self) -> MlaKv:
         """An independent deep copy (pages, tables, free list)."""
         return _copy.deepcopy(self)
 

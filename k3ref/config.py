@@ -15,8 +15,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .safetensors_io import FormatError, is_int, read_json
 
@@ -150,7 +151,7 @@ class K3Config:
     # ----- JSON -----
 
     @classmethod
-    def from_json(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "K3Config":
+    def from_json(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> K3Config:
         """Read a config.json (a file, a checkpoint directory holding one, or an already-parsed dict).
 
         Accepts the multimodal wrapper (`text_config`) or a plain text config; published nested spelling
@@ -202,7 +203,7 @@ class K3Config:
     # ----- presets -----
 
     @classmethod
-    def preset(cls, name: str) -> "K3Config":
+    def preset(cls, name: str) -> K3Config:
         """One of the shipped configs: `k3` (full geometry), `small` (~0.40B params), `tiny` (toy)."""
         try:
             return cls(**PRESETS[name])

@@ -9,7 +9,8 @@ Signatures are listed in docs/interfaces.md; each core's docstring in its own mo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import attnres, kda, latent_moe, mla, mxfp4, ops, situ
 
@@ -51,7 +52,7 @@ class Cores:
     attnres_mix: Callable[..., Any]
     attnres_hub: Callable[..., Any]
 
-    def replace(self, **swaps: Callable[..., Any]) -> "Cores":
+    def replace(self, **swaps: Callable[..., Any]) -> Cores:
         unknown = sorted(set(swaps) - set(CORE_NAMES))
         if unknown:
             raise ValueError(f"unknown core(s) {unknown}; expected some of {list(CORE_NAMES)}")

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .checks import require
 from .cache import HybridCache
+from .checks import require
 from .cores import Cores, reference_cores
 from .cpu_weights import LM_HEAD, TEXT_PREFIX, ModuleView, layer_prefix
 from .layer import K3Graph, MixerKind, MlpKind
@@ -69,14 +69,14 @@ class K3CpuModel:
         self._cast: dict = {}
 
     @classmethod
-    def synthetic(cls, cfg, seed: int = 0, dtype=np.float64) -> "K3CpuModel":
+    def synthetic(cls, cfg, seed: int = 0, dtype=np.float64) -> K3CpuModel:
         """Deterministic synthetic weights (k3ref.weights.synthetic_weights)."""
         from .weights import synthetic_weights
 
         return cls(cfg, synthetic_weights(cfg, seed, dtype), dtype)
 
     @classmethod
-    def from_checkpoint(cls, path, cfg=None, dtype=np.float32, expert_store=None) -> "K3CpuModel":
+    def from_checkpoint(cls, path, cfg=None, dtype=np.float32, expert_store=None) -> K3CpuModel:
         """Lazy weights from a Hugging Face style checkpoint directory (config: `cfg` or its config.json).
 
         Routed experts are served by an expert store (`model.expert_store`): the class `expert_store`, or by

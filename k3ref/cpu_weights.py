@@ -15,8 +15,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from .expert_backend import MmapExpertStore, parse_expert_name
-from .weights import CheckpointReader
-from .weights import LM_HEAD, TEXT_PREFIX, layer_prefix  # noqa: F401  (re-exported: one definition of the names)
+from .weights import LM_HEAD, TEXT_PREFIX, CheckpointReader, layer_prefix  # noqa: F401  (re-exported: one definition of the names)
 
 
 class CheckpointWeights(Mapping):
@@ -82,6 +81,6 @@ class ModuleView(Mapping):
     def __contains__(self, name) -> bool:
         return (self._prefix + name) in self._weights
 
-    def sub(self, prefix: str) -> "ModuleView":
+    def sub(self, prefix: str) -> ModuleView:
         """A view one level down (e.g. `self_attn.`), sharing the cast cache."""
         return ModuleView(self._weights, self._prefix + prefix, self._dtype, self._cache)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -120,7 +120,7 @@ class KdaState:
     recurrent: np.ndarray
 
     @classmethod
-    def zeros(cls, cfg: KdaConfig, batch: int, dtype=np.float64) -> "KdaState":
+    def zeros(cls, cfg: KdaConfig, batch: int, dtype=np.float64) -> KdaState:
         """The state of B fresh sequences: all zeros (recurrent in float32 at least)."""
         require(isinstance(batch, (int, np.integer)) and batch >= 1, f"batch: expected a positive int, found {batch!r}")
         dtype = np.dtype(dtype)
@@ -131,7 +131,7 @@ class KdaState:
                    conv_v=np.zeros((batch, cfg.value_dim, W1), dtype),
                    recurrent=np.zeros((batch, H, K, K), np.result_type(dtype, np.float32)))
 
-    def copy(self) -> "KdaState":
+    def copy(self) -> KdaState:
         """A deep copy (every array copied)."""
         return KdaState(*(np.array(getattr(self, f.name), copy=True) for f in dataclasses.fields(self)))
 

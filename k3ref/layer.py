@@ -44,7 +44,7 @@ class K3Graph:
     block_size: int
 
     @classmethod
-    def from_config(cls, cfg: K3Config) -> "K3Graph":
+    def from_config(cls, cfg: K3Config) -> K3Graph:
         """Build the schedule of `cfg` (see the module docstring for the rules)."""
         layers = tuple(
             K3LayerSpec(

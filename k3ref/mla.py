@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from . import ops
-from .checks import as_float, check_shape, require
 from .cache import MlaKv
+from .checks import as_float, check_shape, require
 
 
 @dataclasses.dataclass(frozen=True)

@@ -211,7 +211,7 @@ class TpPlan:
                 by[_expert_index(e.spec.name)] += e.local_bytes
         return by
 
-    def rank(self, rank: int, comm: "Comm") -> "TpRank":
+    def rank(self, rank: int, comm: Comm) -> TpRank:
         """What rank `rank` needs beside its weights to run the host graph: its ranges and `comm`."""
         if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.tp):
             raise ValueError(f"rank: expected an int in [0, {self.tp}), found {rank!r}")

@@ -105,7 +105,7 @@ class K3Config:
         return layer < self.first_k_dense_replace
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "K3Config":
+    def from_dict(cls, raw: Mapping[str, Any]) -> K3Config:
         """A config from a parsed config.json (wrapper or text config, published or flat spelling)."""
         if "text_config" in raw:
             raw = raw["text_config"]
@@ -135,7 +135,7 @@ class K3Config:
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "K3Config":
+    def from_json(cls, path: str | os.PathLike) -> K3Config:
         """Read `path` (a config.json, or a checkpoint directory holding one)."""
         path = Path(path)
         if path.is_dir():

@@ -20,7 +20,8 @@ calling the core does both and returns numpy. Private keyword knobs (`_l2_eps`, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

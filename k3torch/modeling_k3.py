@@ -576,7 +576,7 @@ class K3ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device=None,
-                        wiring: Wiring = CORRECT) -> "K3ForCausalLM":
+                        wiring: Wiring = CORRECT) -> K3ForCausalLM:
         """Config from `path`/config.json, weights from the safetensors shards (strict names and shapes)."""
         from k3torch.loading import load_checkpoint
 

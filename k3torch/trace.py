@@ -24,8 +24,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from conformance.judge.gates import near_tie_route
 from conformance.golden.store import GoldenError
+from conformance.judge.gates import near_tie_route
 
 RECORD = ("h", "x_mixer", "a", "m", "x_mlp", "f")
 # Two float64 implementations of one model, through <= 7 layers x 6 steps with different summation orders

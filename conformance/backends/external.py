@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from k3ref.cores import CORE_NAMES, Cores, UnsupportedShape, reference_cores
-
 from conformance.judge.speed import median_seconds, numpy_copy_bandwidth
+from k3ref.cores import CORE_NAMES, Cores, UnsupportedShape, reference_cores
 
 PRECISIONS = ("fp64", "fp32", "bf16")
 ENTRY_POINT_GROUP = "k3conf.backends"
@@ -63,7 +62,7 @@ class Backend:
 
     @classmethod
     def from_cores(cls, name: str, precision: str, make_cores: Callable[[Cores], Cores], *,
-                   available: Callable[[], tuple[bool, str]] | None = None, device: str = "cpu") -> "Backend":
+                   available: Callable[[], tuple[bool, str]] | None = None, device: str = "cpu") -> Backend:
         """`make_cores(base) -> Cores` swaps the author's callables into `base` (k3ref's reference cores),
         e.g. `base.replace(kda_decode=fn)`; it runs on first use, so it may import GPU libraries.
         precision: "fp64" | "fp32" | "bf16" (the inputs the cores receive and the gate rows that judge them);

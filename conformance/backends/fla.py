@@ -25,9 +25,8 @@ import importlib.util
 
 import numpy as np
 
-from k3ref.cores import Cores, require_supported
-
 from conformance.backends.external import Backend
+from k3ref.cores import Cores, require_supported
 
 NAME = "fla"
 SAFE_GATE_RANGE = (-5.0, 0.0)    # chunk_kda(safe_gate=True) rejects lower bounds outside [-5, 0)

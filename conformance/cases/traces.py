@@ -39,17 +39,16 @@ import re
 
 import numpy as np
 
+from conformance.backends import registry as backends
+from conformance.cases.core import INFO_KEY, NOTES_KEY, Case, Content, cast, cast_weights, register_kind
+from conformance.golden.store import GoldenError
+from conformance.judge import gates
 from k3ref.config import K3Config
 from k3ref.cores import CORE_NAMES, UnsupportedShape, reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, forward_one_layer
 from k3ref.kda import KdaState
 from k3ref.latent_moe import route_weights
 from k3ref.ops import sigmoid
-
-from conformance.backends import registry as backends
-from conformance.judge import gates
-from conformance.golden.store import GoldenError
-from conformance.cases.core import INFO_KEY, NOTES_KEY, Case, Content, cast, cast_weights, register_kind
 
 PROMPT = (5, 17, 3, 42, 8, 1, 60)
 DECODE_STEPS = 5
@@ -287,8 +286,7 @@ class TraceKind:
     def generate(self, case: Case) -> Content:
         from k3ref.greedy import greedy_decode
         from k3ref.weights import synthetic_weights
-
-        from k3torch.trace import verify_trace_golden   # the independent model must agree, else no golden
+        from k3torch.trace import verify_trace_golden  # the independent model must agree, else no golden
 
         cfg = K3Config.preset(model_name(case))
         prompt = list(PROMPT[:case.params.get("prompt", len(PROMPT))])

@@ -10,9 +10,8 @@ from pathlib import Path
 
 def load_config(spec: str | None, directory: Path | None = None):
     """A K3Config from a preset name, a config.json path, or (spec None) DIR/config.json."""
-    from k3ref.config import PRESETS, K3Config
-
     from conformance.cli.usage import UsageError
+    from k3ref.config import PRESETS, K3Config
 
     try:
         if spec is None:
@@ -43,9 +42,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from k3ref.weights import CheckpointError, admit_checkpoint
-
     from conformance.cli.usage import UsageError
+    from k3ref.weights import CheckpointError, admit_checkpoint
 
     if args.limit < 0:
         raise UsageError(f"--limit: expected an int >= 0, found {args.limit}")

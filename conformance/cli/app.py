@@ -5,7 +5,8 @@ import argparse
 import sys
 
 from conformance import __version__
-from conformance.cli import admit, blocks, decode, list as list_, model, regen, run, show
+from conformance.cli import admit, blocks, decode, model, regen, run, show
+from conformance.cli import list as list_
 from conformance.cli.usage import UsageError
 
 COMMANDS = (admit, blocks, decode, list_, model, regen, run, show)   # `k3conf --help` lists them in this order

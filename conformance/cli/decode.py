@@ -5,8 +5,8 @@ import os
 import sys
 from pathlib import Path
 
-from conformance.cli.usage import UsageError
 from conformance.cli.admit import load_config
+from conformance.cli.usage import UsageError
 
 
 def register(sub) -> None:

@@ -27,10 +27,9 @@ MAX_PLANNED_TENSORS = 5_000_000
 
 
 def run_info(args) -> int:
+    from conformance.cli.usage import UsageError
     from k3ref.tp import GROUPS, TpPlan
     from k3ref.weights import active_parameters, inventory_totals, num_parameters
-
-    from conformance.cli.usage import UsageError
 
     cfg = load_config(args.config)
     try:

@@ -32,9 +32,9 @@ _SAY = {
 
 def run(args) -> int:
     from conformance.cases.core import all_cases
+    from conformance.cli.run import pick_cases
     from conformance.cli.usage import UsageError
     from conformance.golden.store import default_root, regenerate
-    from conformance.cli.run import pick_cases
 
     if args.check and args.accept:
         raise UsageError("--check writes nothing; it cannot be combined with --accept")

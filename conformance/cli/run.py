@@ -83,8 +83,8 @@ def run(args) -> int:
 def check_backends(names: list[str]) -> None:
     """UsageError for an unknown or unloadable backend name, or when none of the requested ones can run here;
     an external backend's cores are first tried on a tiny input, to name a wrong one before the run."""
-    from conformance.backends.registry import get_backend, is_external
     from conformance.backends.external import BackendError, check_cores
+    from conformance.backends.registry import get_backend, is_external
 
     why_not = {}
     for name in names:

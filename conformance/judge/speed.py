@@ -6,8 +6,8 @@ one run: these machines are shared and noisy.
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
+import functools
 import re
 import statistics
 import time

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.cases.traces import PROMPT, GoldenFeed
+from conformance.tp.rank import kda_slices
 from k3ref.config import K3Config
 from k3ref.cores import reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, mixer_forward
 from k3ref.latent_moe import latent_moe_forward
 from k3ref.tp import TpPlan
-
-from conformance.cases.traces import PROMPT, GoldenFeed
-from conformance.tp.rank import kda_slices
 
 # float64 partials of the same math on the same slices differ by summation order only (~1e-15 relative)
 PARTIAL_RTOL = 1e-9

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from k3ref.safetensors_io import ITEMSIZE   # the golden stores bf16 weights as exact F32: bytes by its dtype
-
 from conformance.tp.comm import CollectiveError, TorchComm
 from conformance.tp.launch import error_path, init_group
+from k3ref.safetensors_io import ITEMSIZE  # the golden stores bf16 weights as exact F32: bytes by its dtype
 
 RANK_FIELDS = ("rank", "pid", "bytes_read", "resident", "plan_bytes", "plan_replicated", "tensors")
 
@@ -66,15 +65,13 @@ def kda_slices(inter: dict, plan, rank: int, head_dim: int) -> dict:
 
 def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list[dict]]:
     """One trace case on this rank: (rank 0: outputs by name, else None; every rank's byte row)."""
+    from conformance.backends.registry import get_backend, kernel_cores
+    from conformance.cases.traces import GoldenFeed, Stepper, guard_kernels
+    from conformance.golden.store import golden_path
     from k3ref.config import K3Config
     from k3ref.cpu_forward import K3CpuModel
     from k3ref.tp_weights import SliceReader, read_rank_shard
     from k3ref.weights import read_header
-
-    from conformance.backends.registry import get_backend
-    from conformance.golden.store import golden_path
-    from conformance.backends.registry import kernel_cores
-    from conformance.cases.traces import GoldenFeed, guard_kernels, Stepper
 
     cfg = K3Config.preset(job["model"][case])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))

@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from conformance import runner as _runner
 from conformance.cases.core import NOTES_KEY
 from conformance.cases.traces import PROMPT, model_name
@@ -63,9 +62,8 @@ class _TpRunner(_runner.Runner):
 
 def check_plan(config: str, tp: int, mutant: str | None = None):
     """The plan, or ValueError before any process starts (heads not divisible, a rank without experts)."""
-    from k3ref.config import K3Config
-
     from conformance.tp.rank import make_plan
+    from k3ref.config import K3Config
 
     return make_plan(K3Config.preset(config), tp, mutant)
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from conformance import Backend
-from conformance.backends import registry as backends
 from conformance.backends import external
+from conformance.backends import registry as backends
+from conformance.backends.external import BackendError, check_cores
 from conformance.cases.core import CORE_SPECS, CORE_TABLE, all_cases, select
 from conformance.cli import main as k3conf
-from conformance.backends.external import BackendError, check_cores
 from conformance.golden.store import COMMITTED_ROOT
 from conformance.runner import case_runner
 from k3ref.cores import UnsupportedShape, reference_cores

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from conformance.golden import store as goldens
 from conformance.cases.core import all_cases, select
 from conformance.cli import main
+from conformance.golden import store as goldens
 from conformance.golden.store import COMMITTED_ROOT, GoldenError, decode, encode, read_golden, regenerate
 
 CASE = "rmsnorm/T1-D113"

@@ -15,8 +15,14 @@ from safetensors import safe_open
 from conformance.cli import main
 from k3ref.config import K3Config
 from k3ref.safetensors_io import FormatError, loads_strict, parse_bytes
-from k3ref.weights import (INDEX_FILE, CheckpointError, CheckpointReader, admit_checkpoint, num_parameters,
-                           synthetic_checkpoint)
+from k3ref.weights import (
+    INDEX_FILE,
+    CheckpointError,
+    CheckpointReader,
+    admit_checkpoint,
+    num_parameters,
+    synthetic_checkpoint,
+)
 
 SEED = 3
 L = "language_model.model.layers."

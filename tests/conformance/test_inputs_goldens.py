@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.golden import store as goldens
 from conformance.cases.core import all_cases, select
 from conformance.cli import main
+from conformance.golden import store as goldens
 from conformance.golden.store import GoldenError, decode, encode, read_golden, regenerate
 from conformance.runner import run
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import k3cuda
-from conformance.cases import traces
 from conformance.backends.registry import get_backend
+from conformance.cases import traces
 from conformance.cases.core import ENTRY_KEY, all_cases, select
 from conformance.golden.store import COMMITTED_ROOT, read_golden
 from conformance.runner import run

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from conformance.backends import registry as backends
-from conformance.cases import core as cases
-from conformance.judge import gates
-from conformance.golden import store as goldens
 from conformance.backends.registry import NumpyBackend
+from conformance.cases import core as cases
 from conformance.cases.core import Case, Content, all_cases, cast, select
 from conformance.cli import main
+from conformance.golden import store as goldens
 from conformance.golden.store import COMMITTED_ROOT, regenerate
+from conformance.judge import gates
 from conformance.runner import run
 
 SUBSET = ["rmsnorm/T1-D113", "moe_route/T1-E8-k2"]

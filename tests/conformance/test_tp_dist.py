@@ -281,9 +281,9 @@ def test_blame_checks_every_partial_sum_of_every_rank(mutant, want):
     every layer and step) equals that rank's share recomputed from the golden; with a mutant the ranks at
     fault are named."""
     from conformance.cases.core import all_cases
+    from conformance.golden.store import read_golden
     from conformance.tp.blame import blame_ranks
     from conformance.tp.rank import trace_case
-    from conformance.golden.store import read_golden
     from k3ref.tp import LoopbackGroup
 
     case = next(c for c in all_cases("tiny") if c.name == TRACES[0])

@@ -12,11 +12,11 @@ import re
 import numpy as np
 import pytest
 
-from conformance.judge import gates
 from conformance.cases.core import all_cases, select
-from conformance.golden.store import COMMITTED_ROOT, GoldenError, read_golden
-from conformance.runner import run
 from conformance.cases.traces import TIE_MARGIN, TINY_TRACE_MEASURED
+from conformance.golden.store import COMMITTED_ROOT, GoldenError, read_golden
+from conformance.judge import gates
+from conformance.runner import run
 from k3ref.config import K3Config
 from k3ref.cpu_forward import final_logits
 

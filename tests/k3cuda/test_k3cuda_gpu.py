@@ -24,6 +24,7 @@ from conformance.judge.compare import as_tuple, check_outputs
 from conformance.judge.gates import gate_for
 from k3cuda import testing
 
+
 @pytest.fixture(scope="module")
 def gpu():
     """Skip with the reason when kernels cannot run here; the context itself is made lazily on first launch."""

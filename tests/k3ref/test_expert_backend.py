@@ -8,7 +8,13 @@ import pytest
 
 from k3ref.config import K3Config
 from k3ref.expert_backend import (
-    BACKENDS, PARTS, MmapExpertStore, PrefetchPlanner, ReaderExpertStore, kind_from_env, parse_expert_name,
+    BACKENDS,
+    PARTS,
+    MmapExpertStore,
+    PrefetchPlanner,
+    ReaderExpertStore,
+    kind_from_env,
+    parse_expert_name,
 )
 from k3ref.weights import CheckpointReader, expert_name, synthetic_checkpoint, synthetic_weights
 

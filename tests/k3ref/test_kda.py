@@ -13,8 +13,21 @@ from hypothesis.extra.numpy import arrays
 
 from k3ref import kda, ops
 from k3ref.cores import Cores
-from k3ref.kda import (KDA_L2_EPS, KdaConfig, KdaState, kda_chunked, kda_decode_core, kda_decode_token, kda_gate,
-                       kda_prefill, kda_prefill_core, kda_recurrent, l2norm, random_kda_weights, short_conv)
+from k3ref.kda import (
+    KDA_L2_EPS,
+    KdaConfig,
+    KdaState,
+    kda_chunked,
+    kda_decode_core,
+    kda_decode_token,
+    kda_gate,
+    kda_prefill,
+    kda_prefill_core,
+    kda_recurrent,
+    l2norm,
+    random_kda_weights,
+    short_conv,
+)
 from tests.support.tolerances import elem, rel_rms, tol
 
 # Rows this file adds to the tolerance table (relative RMS), with the reason for each number.

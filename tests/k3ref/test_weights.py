@@ -16,7 +16,12 @@ from conformance.cli import main as cli_main
 from k3ref.config import K3Config
 from k3ref.mxfp4 import dequantize
 from k3ref.weights import (
-    INDEX_FILE, CheckpointError, CheckpointReader, admit_checkpoint, inventory, synthetic_checkpoint,
+    INDEX_FILE,
+    CheckpointError,
+    CheckpointReader,
+    admit_checkpoint,
+    inventory,
+    synthetic_checkpoint,
     synthetic_weights,
 )
 

@@ -10,20 +10,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.support.strict import import_or_skip  # noqa: E402
 
 torch = import_or_skip("torch")
 
 from conformance.backends import pytorch as torch_backend  # noqa: E402
-from k3torch.cores import torch_core, torch_cores  # noqa: E402
 from k3ref.cache import paged_latent_cache  # noqa: E402
 from k3ref.cores import reference_cores  # noqa: E402
+from k3torch.cores import torch_core, torch_cores  # noqa: E402
 from tests.support.tolerances import rel_rms  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -27,17 +27,15 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip insta
 import k3ref.kda  # noqa: E402
 import k3ref.mla  # noqa: E402
 from conformance.cases import traces  # noqa: E402
-from k3torch import trace as tm_trace  # noqa: E402
-from k3torch.configuration_k3 import K3Config  # noqa: E402
-from k3torch.loading import CheckpointMismatch, load_weights  # noqa: E402
-from k3torch.modeling_k3 import (K3ForCausalLM, K3GatedMLA, K3KimiDeltaAttention,  # noqa: E402
-                                                 KdaLayerCache, MlaLayerCache, Wiring)
 from k3ref.config import K3Config as RefConfig  # noqa: E402
 from k3ref.cores import reference_cores  # noqa: E402
 from k3ref.cpu_forward import K3CpuModel  # noqa: E402
 from k3ref.greedy import greedy_decode  # noqa: E402
 from k3ref.weights import TEXT_PREFIX, synthetic_checkpoint, synthetic_weights  # noqa: E402
-
+from k3torch import trace as tm_trace  # noqa: E402
+from k3torch.configuration_k3 import K3Config  # noqa: E402
+from k3torch.loading import CheckpointMismatch, load_weights  # noqa: E402
+from k3torch.modeling_k3 import K3ForCausalLM, K3GatedMLA, K3KimiDeltaAttention, KdaLayerCache, MlaLayerCache, Wiring  # noqa: E402
 from tests.support.tolerances import rel_rms, tol  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -439,8 +437,8 @@ def test_bf16_model_fails_tiny_free_only_at_a_route_just_above_the_budget(monkey
     budget (1.5e-2, measured on the layerwise trace); the free run's accumulated error moves the selection
     scores further than that (torch-bf16 by 1.6e-2 there, the torch model by 4.3e-2), so the model picks
     another expert and fails the step-1 logits. Forcing that one choice as well, it passes."""
-    from conformance.judge import gates
     from conformance.golden.store import read_golden
+    from conformance.judge import gates
 
     case = "trace/free-P7-D5"
     [r] = _run_bf16([case]).results
