@@ -1,8 +1,8 @@
-"""Block AttnRes: the softmax mix over depth that replaces the plain residual sum (DESIGN.md section 3).
+"""Block AttnRes: the softmax mix over depth that replaces the plain residual sum (docs/spec.md section 3.6).
 
 For sources V_i (the embedding, completed block sums, the running partial sum of the current block):
 
-    k_i     = V_i / sqrt(mean_d(V_i^2) + eps)                  (RMS-normalised keys, eps 1e-5)
+    k_i     = V_i / sqrt(mean_d(V_i^2) + eps)                  (RMS-normalised keys, eps = rms_norm_eps)
     logit_i = sum_d k_id * norm_w_d * proj_w_d                 (one learned query per sublayer)
     alpha   = softmax_i(logit)
     out     = sum_i alpha_i V_i                                (the values are NOT normalised)
@@ -19,9 +19,12 @@ Computed in float32 or wider (float64 stays float64; bf16/float16 are promoted t
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import numpy as np
 
-from .checks import as_float, check_shape, require
+from .checks import as_float, check_shape, is_finite_real, require
 from .ops import softmax
 
 
@@ -67,8 +70,8 @@ def attnres_blend(skip: np.ndarray, mixed: np.ndarray, mix: float) -> np.ndarray
     skip = as_float("skip", skip)
     mixed = as_float("mixed", mixed)
     check_shape("mixed", mixed, skip.shape)
+    require(is_finite_real(mix), f"mix: expected a finite number, found {mix}")
     mix = float(mix)
-    require(np.isfinite(mix), f"mix: expected a finite number, found {mix}")
     if mix == 1.0:
         return mixed                                         # exact, whatever skip holds
     return (1.0 - mix) * skip + mix * mixed
@@ -84,26 +87,36 @@ def attnres_mix(sources, proj_w: np.ndarray, norm_w: np.ndarray, mix: float = 1.
     return attnres_blend(np.sum(V, axis=0), attnres_softmax_mix(V, proj_w, norm_w, eps), mix)
 
 
+class MixCores(Protocol):
+    """What the hub needs of a cores bundle (`k3ref.cores.Cores` has it): the `attnres_mix` core."""
+
+    @property
+    def attnres_mix(self) -> Callable[..., np.ndarray]: ...
+
+
 class AttnResHub:
     """Per-token Block AttnRes state across depth: `blocks` (completed block sums) and `prefix`.
 
     Arrays are [..., D] (one token or a batch). Call order per layer l:
     `mixer_input(l, ...)`, `add_mixer(a)`, `mlp_input(...)`, `add_mlp(f)`; at the end `final_input(...)`.
-    The heavy step goes through `cores.attnres_mix` (reference cores when None).
+    The heavy step goes through `cores.attnres_mix` (reference cores when None), with the keys' RMSNorm
+    eps `eps` (the config's rms_norm_eps; 1e-5 in every preset).
     """
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, eps: float = 1e-5):
         require(isinstance(block_size, (int, np.integer)) and block_size >= 1,
                 f"block_size: expected a positive int, found {block_size!r}")
+        require(is_finite_real(eps) and eps > 0, f"eps: expected a positive finite number, found {eps!r}")
         self.block_size = int(block_size)
+        self.eps = float(eps)
         self.blocks: list[np.ndarray] = []
         self.prefix: np.ndarray | None = None
 
-    def _ar(self, proj_w, norm_w, mix, cores) -> np.ndarray:
-        require(self.prefix is not None,
-                "AttnResHub: prefix is empty; call start() (or add_mixer()) before asking for a mix")
+    def _ar(self, proj_w, norm_w, mix: float, cores: MixCores | None) -> np.ndarray:
+        if self.prefix is None:
+            raise ValueError("AttnResHub: prefix is empty; call start() (or add_mixer()) before asking for a mix")
         mix_core = attnres_mix if cores is None else cores.attnres_mix
-        return mix_core(np.stack(self.blocks + [self.prefix]), proj_w, norm_w, mix=mix)
+        return mix_core(np.stack(self.blocks + [self.prefix]), proj_w, norm_w, mix=mix, eps=self.eps)
 
     def start(self, embedding: np.ndarray) -> None:
         """Reset to the token embedding(s) [..., D]: blocks = [], prefix = embedding."""
@@ -111,15 +124,17 @@ class AttnResHub:
         require(e.ndim >= 1, "embedding: expected shape [..., D], found a scalar")
         self.blocks, self.prefix = [], e
 
-    def mixer_input(self, layer: int, proj_w, norm_w, mix: float = 1.0, cores=None) -> np.ndarray:
+    def mixer_input(self, layer: int, proj_w, norm_w, mix: float = 1.0, cores: MixCores | None = None) -> np.ndarray:
         """h for layer `layer`'s mixer; commits the prefix as a completed block when layer % block_size == 0."""
         require(isinstance(layer, (int, np.integer)) and layer >= 0,
                 f"layer: expected a non-negative int, found {layer!r}")
-        require(self.prefix is not None,
-                f"AttnResHub: prefix is empty at layer {layer}; call start() and finish the previous layer")
-        h = self.prefix if not self.blocks else self._ar(proj_w, norm_w, mix, cores)
+        prefix = self.prefix
+        if prefix is None:
+            raise ValueError(f"AttnResHub: prefix is empty at layer {layer}; call start() and finish the previous "
+                             "layer")
+        h = prefix if not self.blocks else self._ar(proj_w, norm_w, mix, cores)
         if layer % self.block_size == 0:
-            self.blocks.append(self.prefix)
+            self.blocks.append(prefix)
             self.prefix = None
         return h
 
@@ -133,24 +148,25 @@ class AttnResHub:
             check_shape("a", a, self.prefix.shape)
             self.prefix = self.prefix + a
 
-    def mlp_input(self, proj_w, norm_w, mix: float = 1.0, cores=None) -> np.ndarray:
+    def mlp_input(self, proj_w, norm_w, mix: float = 1.0, cores: MixCores | None = None) -> np.ndarray:
         """AR(blocks + [prefix], w_mlp): the input of this layer's MLP (before post_attention_layernorm)."""
         return self._ar(proj_w, norm_w, mix, cores)
 
     def add_mlp(self, f: np.ndarray) -> None:
         """prefix = prefix + f  (f: [..., D], the MLP output)."""
-        require(self.prefix is not None, "AttnResHub: add_mlp() before add_mixer()")
+        if self.prefix is None:
+            raise ValueError("AttnResHub: add_mlp() before add_mixer()")
         f = as_float("f", f)
         check_shape("f", f, self.prefix.shape)
         self.prefix = self.prefix + f
 
-    def final_input(self, proj_w, norm_w, mix: float = 1.0, cores=None) -> np.ndarray:
+    def final_input(self, proj_w, norm_w, mix: float = 1.0, cores: MixCores | None = None) -> np.ndarray:
         """AR(blocks + [prefix], w_out): the input of the final norm and lm_head."""
         return self._ar(proj_w, norm_w, mix, cores)
 
     def copy(self) -> AttnResHub:
         """An independent copy (arrays copied) of this state."""
-        new = type(self)(self.block_size)
+        new = type(self)(self.block_size, self.eps)
         new.blocks = [b.copy() for b in self.blocks]
         new.prefix = None if self.prefix is None else self.prefix.copy()
         return new

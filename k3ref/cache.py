@@ -8,11 +8,11 @@ a page table per sequence and a free-page list. Token i of a sequence lives at
 from __future__ import annotations
 
 import copy as _copy
-import math
 
 import numpy as np
 
-from .checks import as_float, check_shape, require
+from .checks import as_float, check_shape, is_finite_real, is_int_value, require
+from .kda import KdaState
 
 _CACHE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -28,7 +28,7 @@ class MlaKv:
     def __init__(self, num_pages: int, page_size: int = 64, width: int = 576, dtype=np.float64,
                  *, fill: float = 0.0):
         for name, v in (("num_pages", num_pages), ("page_size", page_size), ("width", width)):
-            require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
+            require(is_int_value(v) and v >= 1,
                     f"MlaKv: {name} must be a positive int, found {v!r}")
         try:
             dt = np.dtype(dtype)
@@ -152,8 +152,7 @@ class MlaKv:
         """
         if dtype_bytes is None:
             dtype_bytes = self.dtype.itemsize
-        require(isinstance(dtype_bytes, (int, float, np.number)) and not isinstance(dtype_bytes, bool)
-                and math.isfinite(dtype_bytes) and dtype_bytes > 0,
+        require(is_finite_real(dtype_bytes) and dtype_bytes > 0,
                 f"bytes_per_token: dtype_bytes must be a positive number, found {dtype_bytes!r}")
         return self.width * dtype_bytes
 
@@ -166,9 +165,9 @@ class MlaKv:
         ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         for s in ids:
             self._known(s)
-        ids = [int(s) for s in ids]
-        require(len(set(ids)) == len(ids), f"seq_ids: expected distinct ids, found {ids}")
-        return ids
+        checked = [int(s) for s in ids]
+        require(len(set(checked)) == len(checked), f"seq_ids: expected distinct ids, found {checked}")
+        return checked
 
     def __repr__(self) -> str:
         return (f"MlaKv(num_pages={self.num_pages}, page_size={self.page_size}, width={self.width}, "
@@ -192,7 +191,7 @@ def paged_latent_cache(rng: np.random.Generator, seq_lens, width: int, page: int
     cache[order[sum(n_pages):]] = np.nan
     table = np.full((len(n_pages), max(n_pages) + spare_columns), int(order[-1]), dtype=np.int32)
     nxt = 0
-    for b, (L, n) in enumerate(zip(seq_lens, n_pages)):
+    for b, (L, n) in enumerate(zip(seq_lens, n_pages, strict=True)):
         table[b, :n] = order[nxt:nxt + n]
         cache[table[b, n - 1], int(L) - (n - 1) * page:] = np.nan
         nxt += n
@@ -211,8 +210,6 @@ class HybridCache:
 
     def __init__(self, cfg, *, num_pages: int = 64, page_size: int = 64, dtype=np.float64,
                  kda_state_dtype=None):
-        from .kda import KdaState
-
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
         self.kda_state_dtype = np.dtype(kda_state_dtype or np.result_type(self.dtype, np.float32))
@@ -223,10 +220,9 @@ class HybridCache:
         require(page_size == self._mla_cfg.page_size,
                 f"HybridCache: page_size must be the MLA config's page size {self._mla_cfg.page_size} "
                 f"(mla_decode_token checks the cache against it), found {page_size!r}")
-        self._KdaState = KdaState
         self.kda_layers, self.mla_layers = cfg.kda_layers, cfg.mla_layers
         self.mla = {i: MlaKv(num_pages, page_size, self._mla_cfg.cache_width, self.dtype) for i in self.mla_layers}
-        self.kda: dict[tuple[int, int], object] = {}
+        self.kda: dict[tuple[int, int], KdaState] = {}
         self.lengths: dict[int, int] = {}
         self._next = 0
 
@@ -238,7 +234,7 @@ class HybridCache:
             got = kv.add_sequence()
             require(got == seq, f"MLA cache sequence ids out of step: expected {seq}, found {got}")
         for layer in self.kda_layers:
-            self.kda[(layer, seq)] = self._KdaState.zeros(self._kda_cfg, 1, self.kda_state_dtype)
+            self.kda[(layer, seq)] = KdaState.zeros(self._kda_cfg, 1, self.kda_state_dtype)
         self.lengths[seq] = 0
         return seq
 
@@ -261,7 +257,7 @@ class HybridCache:
 
     def advance(self, seq: int, n: int) -> None:
         """Record that `seq` consumed n more tokens (after every layer has seen them); nothing changes on error."""
-        require(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0,
+        require(is_int_value(n) and n >= 0,
                 f"n: expected an int >= 0, found {n!r}")
         new_len = self.seq_len(seq) + int(n)
         for layer, kv in self.mla.items():
@@ -269,7 +265,7 @@ class HybridCache:
             require(got == new_len, f"MLA layer {layer} holds {got} tokens of sequence {seq}, expected {new_len}")
         self.lengths[seq] = new_len
 
-    # Memory accounting (DESIGN.md: 576 values per token per MLA layer; fp32 KDA state per sequence).
+    # Memory accounting (docs/spec.md section 2.5: 576 values per token per MLA layer; fp32 KDA state per sequence).
     def mla_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Latent-cache bytes per token over all MLA layers (K3, bf16: 24 x 1152)."""
         return mla_cache_bytes_per_token(self.cfg, dtype_bytes)

@@ -4,6 +4,8 @@ Every check raises ValueError naming the argument, what was expected and what wa
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -33,7 +35,7 @@ def check_shape(name: str, a: np.ndarray, expected: tuple) -> tuple[int, ...]:
     if a.ndim != len(expected):
         raise ValueError(f"{name}: expected rank {len(expected)} {_fmt(expected)}, found shape {a.shape}")
     bound: dict[str, int] = {}
-    for axis, (want, got) in enumerate(zip(expected, a.shape)):
+    for axis, (want, got) in enumerate(zip(expected, a.shape, strict=True)):  # ranks equal (checked above)
         if want is None:
             continue
         if isinstance(want, str):
@@ -42,6 +44,18 @@ def check_shape(name: str, a: np.ndarray, expected: tuple) -> tuple[int, ...]:
         elif want != got:
             raise ValueError(f"{name}: expected {_fmt(expected)}, found shape {a.shape} (axis {axis}: {want} != {got})")
     return a.shape
+
+
+def is_finite_real(x) -> bool:
+    """True for a finite real number given as a Python or NumPy scalar. bool is not one: `True` would
+    otherwise pass as 1, and a flag passed where a number belongs is a caller's mistake."""
+    return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+            and math.isfinite(x))
+
+
+def is_int_value(x) -> bool:
+    """True for a Python or NumPy integer that is not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def require(cond: bool, msg: str) -> None:

@@ -7,18 +7,21 @@ kda_layers, num_heads, head_dim, short_conv_kernel_size, use_full_rank_gate, gat
 flat with this class's field names. `to_json` writes the published spelling plus `a_log_size`.
 
 Layer indices: `full_attn_layers` is 1-indexed as published; every method taking a layer takes the
-0-indexed layer i (layer i is MLA iff i + 1 is listed). See DESIGN.md section 2.
+0-indexed layer i (layer i is MLA iff i + 1 is listed). See docs/spec.md section 2.2.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .checks import is_finite_real
+from .kda import KdaConfig
+from .latent_moe import LatentMoeConfig
+from .mla import MlaConfig
 from .safetensors_io import FormatError, is_int, read_json
 
 MXFP4_GROUP = 32  # OCP MX block size: one E8M0 scale per 32 E2M1 codes
@@ -99,30 +102,24 @@ class K3Config:
 
     # ----- per-block configs (k3ref.kda / mla / latent_moe) -----
 
-    def kda_config(self):
+    def kda_config(self) -> KdaConfig:
         """k3ref.kda.KdaConfig for the KDA layers."""
-        from .kda import KdaConfig
-
         return KdaConfig(
             num_heads=self.kda_num_heads, head_dim=self.kda_head_dim, conv_size=self.short_conv_kernel_size,
             gate_lower_bound=self.gate_lower_bound, use_full_rank_gate=self.use_full_rank_gate,
             norm_eps=self.rms_norm_eps,
         )
 
-    def mla_config(self):
+    def mla_config(self) -> MlaConfig:
         """k3ref.mla.MlaConfig for the MLA layers (page size 64, FlashMLA's)."""
-        from .mla import MlaConfig
-
         return MlaConfig(
             num_heads=self.num_attention_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
             qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim,
         )
 
-    def moe_config(self):
+    def moe_config(self) -> LatentMoeConfig:
         """k3ref.latent_moe.LatentMoeConfig for the MoE layers (shared experts fused: width n_shared * I)."""
-        from .latent_moe import LatentMoeConfig
-
         return LatentMoeConfig(
             hidden_size=self.hidden_size, num_experts=self.n_routed_experts, top_k=self.num_experts_per_tok,
             latent_size=self.routed_expert_hidden_size, moe_intermediate_size=self.moe_intermediate_size,
@@ -236,10 +233,10 @@ _LAYER_KINDS = {"kda": False, "linear_attention": False, "mla": True, "attention
 
 def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
     """Map a published / flat config dict to K3Config keyword arguments (see K3Config.from_json)."""
-    raw = _text_config(raw)
-    out, lac = _named_fields(raw)
-    _check_router_and_kv_heads(raw, out)
-    _layer_kinds(raw, lac, out)
+    text = _text_config(raw)
+    out, lac = _named_fields(text)
+    _check_router_and_kv_heads(text, out)
+    _layer_kinds(text, lac, out)
     if "a_log_size" not in out and is_int(out.get("kda_num_heads")):
         out["a_log_size"] = max(128, out["kda_num_heads"])   # K3 pads A_log to 128
     missing = sorted(f.name for f in dataclasses.fields(K3Config)
@@ -249,13 +246,14 @@ def _fields_from_json(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text_config(raw: dict[str, Any]) -> Mapping:
+def _text_config(raw: dict[str, Any]) -> Mapping[str, Any]:
     """The text model's part of a published multimodal config (`text_config`), or `raw` itself."""
-    if "text_config" in raw:
-        raw = raw["text_config"]
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"config: text_config must be an object, found {type(raw).__name__}")
-    return raw
+    if "text_config" not in raw:
+        return raw
+    text = raw["text_config"]
+    if not isinstance(text, Mapping):
+        raise ValueError(f"config: text_config must be an object, found {type(text).__name__}")
+    return text
 
 
 def _put(out: dict[str, Any], field: str, value: Any, key: str) -> None:
@@ -343,7 +341,8 @@ def _check_kda_layers(kda_layers: Any, layers: Any, out: dict[str, Any]) -> None
 
 
 def _is_number(v: Any) -> bool:
-    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A finite JSON number: a Python int or float (what json.loads makes), never a bool."""
+    return isinstance(v, (int, float)) and is_finite_real(v)
 
 
 # annotation -> (what it must be, the check); JSON true is not 1, "false" is not false, "36" is not [3, 6]
@@ -359,6 +358,9 @@ _TYPE_RULES = {
 def _check_types(c: K3Config) -> None:
     """Each field has its declared type, nothing coerced; ValueError names the field and the value found."""
     for f in dataclasses.fields(c):
+        # The module's postponed annotations make every field type its source text, the key of _TYPE_RULES.
+        if not isinstance(f.type, str):
+            raise TypeError(f"K3Config.{f.name}: expected its annotation as text, found {f.type!r}")
         what, ok = _TYPE_RULES[f.type]
         v = getattr(c, f.name)
         if not ok(v):
@@ -374,7 +376,7 @@ def _validate(c: K3Config) -> None:
                 "topk_group", "attn_res_block_size"]
     for name in positive:
         v = getattr(c, name)
-        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+        if not (is_int(v) and v > 0):
             raise ValueError(f"config: {name} must be a positive int, found {v!r}")
     if not (isinstance(c.n_shared_experts, int) and c.n_shared_experts >= 0):
         raise ValueError(f"config: n_shared_experts must be an int >= 0, found {c.n_shared_experts!r}")
@@ -411,7 +413,7 @@ def _validate(c: K3Config) -> None:
         raise ValueError(f"config: gate_lower_bound must be < 0 (log-decay), found {c.gate_lower_bound}")
 
 
-# ----- presets (DESIGN.md section 2) -----
+# ----- presets (docs/spec.md section 2.3) -----
 
 def _k3_full_attn(num_layers: int) -> tuple[int, ...]:
     """K3's schedule, 1-indexed: every 4th layer, plus the last one."""

@@ -1,6 +1,6 @@
 """The K3 host graph on the CPU: one layer, one token, a prefill — written once against `Cores`.
 
-Layer l (DESIGN.md section 3), with the per-token Block AttnRes state `hub` (completed blocks + prefix):
+Layer l (docs/spec.md section 3.7), with the per-token Block AttnRes state `hub` (completed blocks + prefix):
 
     h = hub.mixer_input(l)              # AttnRes over blocks + [prefix]; opens a block at l % block_size == 0
     a = Mixer(RMSNorm(h))               # KDA or gated NoPE MLA
@@ -17,16 +17,23 @@ Every heavy step goes through `cores`, so the runner can swap one kernel in at a
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
+from . import mla  # called as mla.<step>: a test that patches one step of the module sees it used here
 from .cache import HybridCache
-from .checks import require
+from .checks import is_finite_real, require
+from .config import K3Config
 from .cores import Cores, reference_cores
-from .cpu_weights import LM_HEAD, TEXT_PREFIX, ModuleView, layer_prefix
+from .cpu_weights import LM_HEAD, TEXT_PREFIX, CheckpointWeights, ModuleView, layer_prefix
+from .expert_backend import MmapExpertStore, kind_from_env
+from .kda import kda_decode_token, kda_prefill
+from .latent_moe import latent_moe_forward
 from .layer import K3Graph, MixerKind, MlpKind
+from .situ import situ_glu_vec
+from .weights import CheckpointReader, inventory, synthetic_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +46,7 @@ class Ablation:
     attnres_mix: float = 1.0
 
     def __post_init__(self):
-        require(math.isfinite(self.attnres_mix), f"attnres_mix: expected a finite number, found {self.attnres_mix}")
+        require(is_finite_real(self.attnres_mix), f"attnres_mix: expected a finite number, found {self.attnres_mix}")
 
 
 PRODUCTION = Ablation()
@@ -60,7 +67,8 @@ class K3CpuModel:
         self.cfg = cfg
         self.tp = tp
         self.weights = weights
-        self.expert_store = getattr(weights, "store", None)
+        # Only checkpoint weights route experts through a store; in-memory weights have none to count.
+        self.expert_store: MmapExpertStore | None = weights.store if isinstance(weights, CheckpointWeights) else None
         self.dtype = np.dtype(dtype)
         self.graph = K3Graph.from_config(cfg)
         self.kda_cfg = cfg.kda_config()
@@ -71,8 +79,6 @@ class K3CpuModel:
     @classmethod
     def synthetic(cls, cfg, seed: int = 0, dtype=np.float64) -> K3CpuModel:
         """Deterministic synthetic weights (k3ref.weights.synthetic_weights)."""
-        from .weights import synthetic_weights
-
         return cls(cfg, synthetic_weights(cfg, seed, dtype), dtype)
 
     @classmethod
@@ -87,13 +93,6 @@ class K3CpuModel:
         config that does not belong to the checkpoint, or BF16 bytes labelled F16); `k3conf admit DIR` lists
         every such problem.
         """
-        from pathlib import Path
-
-        from .config import K3Config
-        from .cpu_weights import CheckpointWeights
-        from .expert_backend import kind_from_env
-        from .weights import CheckpointReader, inventory
-
         store_kind = expert_store if expert_store is not None else kind_from_env()
         cfg = cfg if cfg is not None else K3Config.from_json(Path(path) / "config.json")
         reader = CheckpointReader(path)
@@ -139,7 +138,8 @@ def embed(model: K3CpuModel, tokens) -> np.ndarray:
     Under TP each rank holds a vocab slice of the table: it looks up the ids it holds (zero rows elsewhere)
     and the all-reduce assembles the rows."""
     ids = np.asarray(tokens)
-    require(ids.ndim == 1 and ids.dtype.kind in "iu", f"tokens: expected a 1-D integer array, found {ids.dtype} {ids.shape}")
+    require(ids.ndim == 1 and ids.dtype.kind in "iu",
+            f"tokens: expected a 1-D integer array, found {ids.dtype} {ids.shape}")
     V = model.cfg.vocab_size
     require(bool(np.all((ids >= 0) & (ids < V))), f"tokens: expected ids in [0, {V}), found {ids.min()}..{ids.max()}")
     table = model.globals()["embed_tokens.weight"]
@@ -161,9 +161,6 @@ def mixer_forward(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridC
     """KDA or MLA over x [T, D] for sequence ctx.seq; updates that layer's cache.
 
     Public because the tensor-parallel blame replays one layer's mixer on recorded inputs."""
-    from .kda import kda_decode_token, kda_prefill
-    from .mla import gated_mla_attend, mla_decode_token, mla_project
-
     m, w = ctx.model, ctx.model.layer(layer).sub("self_attn.")
     if m.graph.layers[layer].mixer == MixerKind.KDA:
         state = cache.kda_state(layer, ctx.seq)
@@ -176,20 +173,17 @@ def mixer_forward(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridC
         return y
     kv = cache.mla[layer]
     if not ctx.prefill:
-        return mla_decode_token(w, x, kv, [ctx.seq], m.mla_cfg, cores=ctx.cores)
+        return mla.mla_decode_token(w, x, kv, [ctx.seq], m.mla_cfg, cores=ctx.cores)
     require(int(kv.seq_lens([ctx.seq])[0]) == 0,
             f"prefill of sequence {ctx.seq} at layer {layer}: expected an empty cache (continue with decode steps)")
-    _, _, c, k_pe, _ = mla_project(w, x, m.mla_cfg, cores=ctx.cores)
+    _, _, c, k_pe, _ = mla.mla_project(w, x, m.mla_cfg, cores=ctx.cores)
     for row in np.concatenate([c, k_pe], axis=-1):
         kv.append([ctx.seq], row[None])
-    return gated_mla_attend(w, x, m.mla_cfg, cores=ctx.cores)
+    return mla.gated_mla_attend(w, x, m.mla_cfg, cores=ctx.cores)
 
 
 def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
     """Dense SiTU MLP or Stable LatentMoE over x [T, D]."""
-    from .latent_moe import latent_moe_forward
-    from .situ import situ_glu_vec
-
     m, w = ctx.model, ctx.model.layer(layer)
     if m.graph.layers[layer].mlp == MlpKind.DENSE:
         d = w.sub("mlp.")
@@ -248,7 +242,7 @@ def forward_tokens(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 
     require(not prefill or cache.seq_len(seq) == 0,
             f"prefill: expected an empty sequence {seq}, found {cache.seq_len(seq)} cached tokens")
     ctx = ForwardContext(model, cores, seq, prefill, ablation)
-    hub = cores.attnres_hub(model.cfg.attn_res_block_size)
+    hub = cores.attnres_hub(model.cfg.attn_res_block_size, eps=model.cfg.rms_norm_eps)
     hub.start(embed(model, tokens))
     for spec in model.graph.layers:
         before = hub.copy() if recorder else None

@@ -1,6 +1,6 @@
 """Weight views for the CPU host graph: checkpoint names in, module-local mappings out.
 
-A model's weights are any Mapping from full checkpoint names (DESIGN.md section 7) to arrays: a dict
+A model's weights are any Mapping from full checkpoint names (docs/spec.md section 7) to arrays: a dict
 from `k3ref.weights.synthetic_weights`, or a lazy `k3ref.weights.CheckpointReader` over safetensors
 shards. `ModuleView` strips a prefix so the block functions see module-local names (`q_proj.weight`),
 casts float tensors to the compute dtype on first use (cached), and leaves U8 MXFP4 bytes as they are,

@@ -141,24 +141,33 @@ def kind_from_env(var: str = "K3_EXPERT_BACKEND", default: str = "mmap") -> type
         raise ValueError(f"{var}={kind!r}: unknown expert backend; known: {sorted(BACKENDS)}") from None
 
 
+# What a PrefetchPlanner sizes experts by: a store, a function (layer, expert) -> bytes, or one size for all.
+ExpertSizes = MmapExpertStore | Callable[[int, int], int] | int | np.integer
+
+
+def _size_of_expert(sizes: ExpertSizes) -> Callable[[int, int], int]:
+    """PrefetchPlanner's `sizes` as one function (layer, expert) -> bytes."""
+    if isinstance(sizes, (int, np.integer)):
+        if sizes <= 0:
+            raise ValueError(f"sizes: expected bytes per expert > 0, found {sizes}")
+        n = int(sizes)
+        return lambda layer, expert: n
+    if isinstance(sizes, MmapExpertStore):
+        return sizes.expert_bytes
+    if callable(sizes):
+        return sizes
+    raise ValueError(f"sizes: expected a store, a callable or an int, found {type(sizes).__name__}")
+
+
 class PrefetchPlanner:
     """Router choices for upcoming tokens -> ordered fetch list (first use first), cut at a byte budget.
 
-    sizes: a store with `.expert_bytes(layer, expert)`, a callable (layer, expert) -> bytes, or one int
-    (every expert the same size). byte_budget: the most bytes the list may add up to.
+    sizes: an expert store (its `.expert_bytes(layer, expert)`), a callable (layer, expert) -> bytes, or one
+    int (every expert the same size). byte_budget: the most bytes the list may add up to.
     """
 
-    def __init__(self, sizes: MmapExpertStore | Callable[[int, int], int] | int, byte_budget: int):
-        if isinstance(sizes, (int, np.integer)):
-            if sizes <= 0:
-                raise ValueError(f"sizes: expected bytes per expert > 0, found {sizes}")
-            self._size = lambda layer, expert, n=int(sizes): n
-        elif hasattr(sizes, "expert_bytes"):
-            self._size = sizes.expert_bytes
-        elif callable(sizes):
-            self._size = sizes
-        else:
-            raise ValueError(f"sizes: expected a store, a callable or an int, found {type(sizes).__name__}")
+    def __init__(self, sizes: ExpertSizes, byte_budget: int):
+        self._size = _size_of_expert(sizes)
         if byte_budget < 0:
             raise ValueError(f"byte_budget: expected >= 0, found {byte_budget}")
         self.byte_budget = int(byte_budget)

@@ -1,4 +1,4 @@
-"""KDA (Kimi Delta Attention): the K3 linear-attention mixer (DESIGN.md section 3 "KDA").
+"""KDA (Kimi Delta Attention): the K3 linear-attention mixer (docs/spec.md section 3.1 "KDA").
 
 Per token t and head h (K = V = head_dim in K3; the core functions accept any K, V):
 
@@ -24,45 +24,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .checks import as_float, check_shape, require
+from .checks import as_float, check_shape, is_finite_real, is_int_value, require
+from .fast import kda as kda_fast
 from .ops import linear, rmsnorm, sigmoid, silu, softplus
 
 KDA_L2_EPS = 1e-6          # L2(x) = x / sqrt(sum(x^2) + eps): eps inside the sqrt (fla's l2norm), not max(|x|, eps)
 KDA_GATE_LOWER_BOUND = -5.0  # K3's gate_lower_bound: exp(g) in (e^-5, 1)
-_CHUNK_GROUP = 4             # chunks vectorised together in kda_chunked (speed only)
-_DECODE_BLOCK_BYTES = 1 << 19  # state bytes per step of kda_decode_core: a block and its temporaries stay in L2
-_SUB_BLOCK = 8               # rows per sub-block inside a chunk of kda_chunked (speed only; any value is exact)
-
-
-def _flush_floor(dtype) -> float:
-    """Smallest magnitude a decayed factor of `kda_chunked` keeps: 2^(minexp/2 + 13) (2^-50 in float32, 2^-498
-    in float64), so that a product of two kept factors and two unit-bounded entries above 2^-13 stays normal.
-
-    Why: on Intel x86 every multiply or add that reads or makes a subnormal float takes a microcode assist
-    ~100x slower; at the lower bound about 8% of the within-chunk decays exp(G) land in float32's subnormal
-    range. A dropped factor is below 2^-50 of the O(1) terms it is summed with (every sum holds an undecayed
-    diagonal or fresh-key term), far under float32's 2^-24 rounding: outputs are bit-identical on the
-    benchmark inputs (docs/measurements.md)."""
-    return float(np.ldexp(1.0, np.finfo(dtype).minexp // 2 + 13))
-
-
-_FLOOR = {np.dtype(t): _flush_floor(t) for t in (np.float32, np.float64)}
-_LOG_FLOOR = {t: float(np.log(f)) for t, f in _FLOOR.items()}
-
-
-def _decay(x: np.ndarray) -> np.ndarray:
-    """exp(x) for log-decays x <= 0, with factors below `_flush_floor` set to 0. The exp runs on x clamped
-    at the floor, so no subnormal is made or read on the way."""
-    log_floor = x.dtype.type(_LOG_FLOOR[x.dtype])
-    e = np.exp(np.maximum(x, log_floor))
-    e *= x >= log_floor
-    return e
-
-
-def _flush_small(a: np.ndarray) -> np.ndarray:
-    """a with entries below `_flush_floor` in magnitude set to 0, in place (a is a temporary); returns a."""
-    a *= np.abs(a) >= a.dtype.type(_FLOOR[a.dtype])
-    return a
 
 
 # ----------------------------------------------------------------------------------------------- config, state
@@ -86,11 +53,11 @@ class KdaConfig:
     def __post_init__(self):
         for name in ("num_heads", "head_dim", "conv_size"):
             val = getattr(self, name)
-            require(isinstance(val, (int, np.integer)) and not isinstance(val, bool) and val >= 1,
+            require(is_int_value(val) and val >= 1,
                     f"KdaConfig.{name}: expected a positive int, found {val!r}")
         check_lower_bound("KdaConfig.gate_lower_bound", self.gate_lower_bound)
         eps = self.norm_eps
-        require(isinstance(eps, (int, float, np.floating)) and not isinstance(eps, bool) and np.isfinite(eps) and eps > 0,
+        require(is_finite_real(eps) and eps > 0,
                 f"KdaConfig.norm_eps: expected a finite positive float, found {eps!r}")
 
     @property
@@ -151,7 +118,7 @@ def check_lower_bound(name: str, lb) -> float | None:
     raises ValueError naming `name`. The CUDA decode core checks its argument with this same rule."""
     if lb is None:
         return None
-    require(isinstance(lb, (int, float, np.floating)) and not isinstance(lb, bool) and np.isfinite(lb) and lb < 0,
+    require(is_finite_real(lb) and lb < 0,
             f"{name}: expected a finite negative float or None (softplus gate), found {lb!r}")
     return float(lb)
 
@@ -163,7 +130,7 @@ def l2norm(x: np.ndarray, eps: float = KDA_L2_EPS) -> np.ndarray:
     """
     x = as_float("x", x)
     require(x.ndim >= 1, "x: expected shape [..., K], found a scalar")
-    require(isinstance(eps, (int, float, np.floating)) and not isinstance(eps, bool) and np.isfinite(eps) and eps >= 0,
+    require(is_finite_real(eps) and eps >= 0,
             f"eps: expected a finite float >= 0, found {eps!r}")
     return x * (1.0 / np.sqrt(np.einsum("...k,...k->...", x, x)[..., None] + eps)).astype(x.dtype, copy=False)
 
@@ -223,14 +190,14 @@ def short_conv(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray | None 
 def query_scale(scale, K: int) -> float:
     """The query scale: K**-0.5 when None, else a finite float (shared with the CUDA decode core)."""
     scale = K ** -0.5 if scale is None else scale
-    require(isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and np.isfinite(scale),
+    require(is_finite_real(scale),
             f"scale: expected a finite float or None (K**-0.5), found {scale!r}")
     return float(scale)
 
 
 def _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     """Validate fla-convention inputs; return (q * scale, k, v, g, beta, S0) in one float dtype."""
-    q, k, v, g, beta = (as_float(n, a) for n, a in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)))
+    q, k, v, g, beta = (as_float(n, a) for n, a in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta), strict=True))
     B, T, H, K = check_shape("q", q, (None, None, None, None))
     check_shape("k", k, (B, T, H, K))
     V = check_shape("v", v, (B, T, H, None))[3]
@@ -271,79 +238,12 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2nor
     return o, S
 
 
-def _intra_chunk_scores(q, k, g, G, sub):
-    """Decay-weighted scores inside each chunk, built so that no exp can exceed 1 (for g <= 0).
-
-    q, k, g, G: [..., L, K] with L a multiple of `sub` (g = per-step log-decay, G = its cumulative sum from
-    the chunk start) -> Akk, Aqk [..., L, L] with X_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for i >= j and 0
-    above the diagonal; and k_end [..., K, L] = k_j exp(G_{L-1} - G_j), each key decayed to the chunk end.
-    Rows go in blocks of `sub`. Inside a block the ratios exist for i >= j only, diagonal by diagonal
-    (d = i - j): exp(G_i - G_j) = exp(g_i) exp(G_{i-1} - G_j), one step of decay times the ratio of
-    diagonal d - 1 (no cancellation in G_i - G_j; the upper triangle is never formed). Left of a block
-    starting at row a, with r = a - 1:  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) for i > r >= j; both
-    factors are decays over forward spans (<= 1), so the block is one matmul. If a factor underflows, the
-    true product is below it and underflows too.
-    """
-    L, K = G.shape[-2:]
-    lead = G.shape[:-2]
-    nb = L // sub
-    qb, kb, step = (x.reshape(lead + (nb, sub, K)) for x in (q, k, np.exp(g)))
-    qk = np.stack([k, q], axis=-2)                                   # [..., L, 2, K]: k and q rows together
-    qkb = qk.reshape(lead + (nb, sub, 2, K))
-    A = np.zeros(lead + (L, 2, L), G.dtype)                          # [..., i, (k | q), j]
-    diag = np.zeros(lead + (nb, sub, 2, sub), G.dtype)
-    flat = diag.reshape(lead + (nb, 2 * sub * sub))                  # entry (i, c, j) at i*2sub + c*sub + j
-    kE = kb                                                           # d = 0: k_j, no decay
-    for d in range(sub):                                              # pairs (i, i - d) inside every block
-        if d:
-            kE = step[..., d:, :] * kE[..., :-1, :]                   # k_j exp(G_i - G_j), i = j + d
-        x = (qkb[..., d:, :, :] @ kE[..., :, None])[..., 0]          # [..., nb, sub - d, 2]: k_i . kE, q_i . kE
-        for c in (0, 1):                                              # (i, c, i - d), i = d..sub-1: a strided run
-            flat[..., 2 * sub * d + c * sub::2 * sub + 1][..., :sub - d] = x[..., c]
-    k_end = None                                                      # [..., K, a]: keys j < a decayed to a - 1
-    for n, a in enumerate(range(0, L, sub)):
-        b = a + sub
-        A[..., a:b, :, a:b] = diag[..., n, :, :, :]
-        Gb_end = G[..., b - 1:b, :]                                   # [..., 1, K]
-        fresh = np.exp(Gb_end - G[..., a:b, :]) * k[..., a:b, :]      # this block's keys decayed to b - 1
-        if a == 0:
-            k_end = fresh.swapaxes(-1, -2)
-            continue
-        Gr = G[..., a - 1:a, :]
-        to_i = np.exp(G[..., a:b, None, :] - Gr[..., None, :])        # decay r -> i: [..., sub, 1, K]
-        rows = (qk[..., a:b, :, :] * to_i).reshape(lead + (2 * sub, K))
-        A[..., a:b, :, :a] = (rows @ k_end).reshape(lead + (sub, 2, a))
-        k_end = np.concatenate([_flush_small(k_end * _decay(Gb_end - Gr).swapaxes(-1, -2)), fresh.swapaxes(-1, -2)],
-                               axis=-1)
-    _flush_small(A)                                                   # far pairs: decayed below the floor
-    return A[..., :, 0, :], np.ascontiguousarray(A[..., :, 1, :]), k_end
-
-
-def _unit_lower_inverse(M, sub):
-    """M^-1 for unit lower triangular M [..., L, L] (L a multiple of sub), by forward substitution in blocks:
-    the diagonal sub x sub blocks row by row, then block row I: T_IJ = -M_II^-1 sum_{J<=K<I} M_IK T_KJ."""
-    L = M.shape[-1]
-    D = np.stack([M[..., a:a + sub, a:a + sub] for a in range(0, L, sub)], axis=-3)     # [..., nb, sub, sub]
-    Dinv = np.zeros_like(D)
-    Dinv[..., 0, 0] = 1.0
-    for i in range(1, sub):
-        Dinv[..., i, :i] = -np.einsum("...j,...jk->...k", D[..., i, :i], Dinv[..., :i, :i])
-        Dinv[..., i, i] = 1.0
-    T = np.zeros_like(M)
-    for n, a in enumerate(range(0, L, sub)):
-        b = a + sub
-        T[..., a:b, a:b] = Dinv[..., n, :, :]
-        if a:
-            T[..., a:b, :a] = _flush_small(-Dinv[..., n, :, :] @ (M[..., a:b, :a] @ T[..., :a, :a]))
-    return T
-
-
 def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=False, chunk_size=64):
     """The same recurrence as `kda_recurrent`, chunk by chunk with the WY/UT transform (fla `naive_chunk_kda`).
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state [B, H, K, V] -> (o [B, T, H, V],
-    final state [B, H, K, V]), as `kda_recurrent`; any T (the sequence is padded to whole chunks with g = 0, k = q = v = 0,
-    beta = 0, which leaves the state unchanged). Within a chunk of L tokens, with G_i = sum_{s<=i} g_s
+    final state [B, H, K, V]), as `kda_recurrent`; any T (the sequence is padded to whole chunks with g = 0,
+    k = q = v = 0, beta = 0, which leaves the state unchanged). Within a chunk of L tokens, with G_i = sum_{s<=i} g_s
     (cumulative log-decay from the chunk start, per key channel) and S0 the state entering the chunk:
         A_ij   = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)     (i > j)     key-key
         Aqk_ij = sum_c q_ic k_jc exp(G_ic - G_jc)            (i >= j)    query-key
@@ -354,56 +254,12 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=
     Every decay factor is over a forward span (exp(G_i - G_j) with i >= j, exp(G_i), exp(G_L - G_j); inside
     a sub-block of 8 rows, exp(G_i - G_j) is the product of the one-step decays exp(g_s), j < s <= i), never
     exp(-G) alone, so with g <= 0 every factor is <= 1 and float32 stays finite at cumulative log-decay -320
-    per chunk. See `_intra_chunk_scores`. Factors that decay below `_flush_floor` (2^-50 in float32) are set to
-    0, so no subnormal is made or read.
+    per chunk. Computed by `k3ref.fast.kda.chunked_recurrence` (see its `intra_chunk_scores`); factors that
+    decay below its `flush_floor` (2^-50 in float32) are set to 0, so no subnormal is made or read.
     """
     q, k, v, g, beta, S = _recurrence_inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
-    require(isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool) and chunk_size >= 1,
-            f"chunk_size: expected a positive int, found {chunk_size!r}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    sub = min(_SUB_BLOCK, chunk_size)
-    C = -(-chunk_size // sub) * sub                                   # whole sub-blocks: pad the chunk too
-    N = -(-T // chunk_size)
-    pad = ((0, 0), (0, C - chunk_size), (0, 0), (0, 0))
-
-    def chunks(a):                                                    # [B, T, H, X] -> [N, B, H, C, X]
-        X = a.shape[-1]
-        if N * C != T:                                                # zero rows: the tail, then each chunk's
-            a = np.pad(a, ((0, 0), (0, N * chunk_size - T), (0, 0), (0, 0))).reshape(B * N, chunk_size, H, X)
-            a = np.pad(a, pad)
-        return np.ascontiguousarray(a.reshape(B, N, C, H, X).transpose(1, 0, 3, 2, 4))
-
-    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta[..., None])[..., 0]
-    o = np.full((N, B, H, C, V), np.nan, S.dtype)
-    for n0 in range(0, N, _CHUNK_GROUP):                              # a few chunks at a time: stays in cache
-        grp = slice(n0, n0 + _CHUNK_GROUP)
-        o[grp], S = _chunk_group(q[grp], k[grp], v[grp], g[grp], beta[grp], S, sub)
-    o = o[:, :, :, :chunk_size].transpose(1, 0, 3, 2, 4).reshape(B, N * chunk_size, H, V)
-    return o[:, :T], S
-
-
-def _chunk_group(q, k, v, g, beta, S, sub):
-    """`kda_chunked` over consecutive chunks: q, k, g [n, B, H, C, K], v [n, B, H, C, V], beta [n, B, H, C],
-    S [B, H, K, V] entering the first -> (o [n, B, H, C, V], S leaving the last). Formulas: `kda_chunked`."""
-    C = q.shape[-2]
-    G = g.copy()                                                      # [n, B, H, C, K]: cumsum over the chunk
-    for i in range(1, C):                                             # (row by row: np.cumsum is slow on axis -2)
-        G[..., i, :] += G[..., i - 1, :]
-    Akk, Aqk, k_end = _intra_chunk_scores(q, k, g, G, sub)             # k_end: [n, B, H, K, C]
-    M = np.eye(C, dtype=S.dtype) + beta[..., :, None] * np.tril(Akk, -1)          # I + A, unit lower triangular
-    Tm = _unit_lower_inverse(M, sub) * beta[..., None, :]             # UT transform: (I + A)^-1 diag(beta)
-    eG = _decay(G)                                                    # decay from the chunk start
-    u0 = Tm @ v                                                       # [n, B, H, C, V]
-    wq = np.concatenate([Tm @ (eG * k), eG * q], axis=-2)             # [n, B, H, 2C, K]: rows w, then q_in
-    decay = eG[..., -1, :, None]                                      # [n, B, H, K, 1]
-    o = np.empty(v.shape, S.dtype)
-    for n in range(q.shape[0]):                                       # only the state crosses chunks
-        wS, qS = np.split(wq[n] @ S, 2, axis=-2)                      # w S0 and (exp(G) * q) S0 in one matmul
-        u = u0[n] - wS
-        o[n] = qS + Aqk[n] @ u
-        S = decay[n] * S + k_end[n] @ u
-    return o, S
+    require(is_int_value(chunk_size) and chunk_size >= 1, f"chunk_size: expected a positive int, found {chunk_size!r}")
+    return kda_fast.chunked_recurrence(q, k, v, g, beta, S, int(chunk_size))
 
 
 # ----------------------------------------------------------------------------------------------- cores
@@ -422,13 +278,13 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     q, k: [B, H, K] (after conv + SiLU, before L2); v: [B, H, V]; g_raw: [B, H, K] (f_b_proj output);
     beta_raw: [B, H]; A_log: [H]; dt_bias: [H*K]; state: [B, H, K, V] -> (o [B, H, V], new_state [B, H, K, V]).
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound); q^ = L2(q) * scale, k^ = L2(k) (eps KDA_L2_EPS);
-    beta = sigma(beta_raw); then one step of the recurrence (written out here over blocks of (sequence, head)
-    rows that fit in cache, so it is a third form next to `kda_recurrent` and `kda_chunked`). The state is read
-    from memory once and written once; a NaN/Inf in it reaches o, which is scanned instead of the state.
-    Inputs are never mutated.
+    beta = sigma(beta_raw); then one step of the recurrence (`k3ref.fast.kda.decode_step`, written out over
+    blocks of (sequence, head) rows that fit in cache: a third form next to `kda_recurrent` and `kda_chunked`).
+    The state is read from memory once and written once; a NaN/Inf in it reaches o, which is scanned instead of
+    the state. Inputs are never mutated.
     """
     q, k, v, g_raw, beta_raw = (as_float(n, a) for n, a in
-                                zip(("q", "k", "v", "g_raw", "beta_raw"), (q, k, v, g_raw, beta_raw)))
+                                zip(("q", "k", "v", "g_raw", "beta_raw"), (q, k, v, g_raw, beta_raw), strict=True))
     B, H, K = check_shape("q", q, (None, None, None))
     V = check_shape("v", v, (B, H, None))[2]
     for name, a, shape in (("k", k, (B, H, K)), ("g_raw", g_raw, (B, H, K)), ("beta_raw", beta_raw, (B, H))):
@@ -443,20 +299,7 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     beta = beta.astype(dt, copy=False).reshape(BH, 1)
     decay = np.exp(g.astype(dt, copy=False)).reshape(BH, K)
     S0 = state.astype(dt, copy=False).reshape(BH, K, V)
-    o = np.full((BH, V), np.nan, dt)
-    S = np.empty((BH, K, V), dt)                                      # every block written below (np.multiply out=)
-    rows = max(1, min(BH, _DECODE_BLOCK_BYTES // (K * V * dt.itemsize)))
-    outer = np.empty((rows, K, V), dt)                                # scratch for k u^T, reused by every block
-    kq_all = np.stack([k, q], axis=-2) * decay[:, None, :]            # [BH, 2, K]: S'^T [k | q] = S^T (exp(g) [k | q])
-    kdotq = np.sum(k * q, axis=-1)[:, None]
-    for r0 in range(0, BH, rows):                                     # rows in blocks that fit in cache: S leaves
-        r, n = slice(r0, r0 + rows), min(rows, BH - r0)               # memory once and comes back once
-        kS, qS = np.moveaxis(kq_all[r] @ S0[r], -2, 0)               # S'^T k, S'^T q with S' = diag(exp g) S
-        u = beta[r] * (v[r] - kS)                                     # [n, V]
-        o[r] = qS + kdotq[r] * u                                      # (S' + k u^T)^T q
-        np.multiply(S0[r], decay[r, :, None], out=S[r])               # S'
-        np.multiply(k[r, :, None], u[:, None, :], out=outer[:n])
-        S[r] += outer[:n]                                             # S' + k u^T
+    o, S = kda_fast.decode_step(q, k, v, beta, decay, S0)
     if not np.all(np.isfinite(o)):                                    # o reads every S entry: a NaN/Inf in the
         as_float("state", state)                                      # state shows here; name its first index
     return o.reshape(B, H, V), S.reshape(B, H, K, V)
@@ -565,7 +408,7 @@ def _layer_cores(state, cfg, cores):
 
 def kda_prefill(weights: Mapping[str, np.ndarray], X: np.ndarray, state: KdaState, cfg: KdaConfig,
                 cores=None):
-    """The whole KDA layer over T tokens (DESIGN.md section 3), through `cores.kda_prefill` and `cores.rmsnorm`.
+    """The whole KDA layer over T tokens (docs/spec.md section 3.1), through `cores.kda_prefill` and `cores.rmsnorm`.
 
     weights: module-local names (docs/interfaces.md); X: [B, T, D] (the normalised sublayer input);
     state: KdaState for B sequences -> (Y [B, T, D], new KdaState). The input state is not mutated.
@@ -577,7 +420,7 @@ def kda_prefill(weights: Mapping[str, np.ndarray], X: np.ndarray, state: KdaStat
     o, S = cores.kda_prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state.recurrent,
                              lower_bound=cfg.gate_lower_bound, scale=None)
     o, S = _core_result("kda_prefill", o, S, v.shape, state.recurrent.shape)
-    return _kda_out(weights, X, o, cfg, cores), KdaState(*conv, recurrent=S)
+    return _kda_out(weights, X, o, cfg, cores), KdaState(conv_q=conv[0], conv_k=conv[1], conv_v=conv[2], recurrent=S)
 
 
 def kda_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, state: KdaState, cfg: KdaConfig,
@@ -595,7 +438,8 @@ def kda_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, state: Kd
     o, S = cores.kda_decode(q[:, 0], k[:, 0], v[:, 0], g_raw[:, 0], beta_raw[:, 0], A_log, dt_bias,
                             state.recurrent, lower_bound=cfg.gate_lower_bound, scale=None)
     o, S = _core_result("kda_decode", o, S, v[:, 0].shape, state.recurrent.shape)
-    return _kda_out(weights, X, o[:, None], cfg, cores)[:, 0], KdaState(*conv, recurrent=S)
+    new_state = KdaState(conv_q=conv[0], conv_k=conv[1], conv_v=conv[2], recurrent=S)
+    return _kda_out(weights, X, o[:, None], cfg, cores)[:, 0], new_state
 
 
 def random_kda_weights(cfg: KdaConfig, hidden: int, rng: np.random.Generator, dtype=np.float64,

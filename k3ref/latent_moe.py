@@ -1,4 +1,4 @@
-"""Stable LatentMoE: sigmoid router, routed SiTU experts in a latent width, shared experts (DESIGN.md section 3).
+"""Stable LatentMoE: sigmoid router, routed SiTU experts in a latent width, shared experts (docs/spec.md section 3.4).
 
     s     = sigma(W_r x)                                   (fp32 or wider)
     idx   = top_k(s + e_score_correction_bias)             (the bias only selects; DeepSeek-V3 groups)
@@ -7,12 +7,13 @@
     y_lat = sum_k w_k * E_idx_k(z)                         (E = MXFP4 SiTU-GLU expert; w applied after w2)
     y     = W_up_lat RMSNorm_1e-5(y_lat; routed_expert_norm) + Shared(x)
 
-Weights are a module-local Mapping (names of DESIGN.md section 7 without the layer prefix); only the
+Weights are a module-local Mapping (names of docs/spec.md section 7 without the layer prefix); only the
 selected experts' tensors are read from it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Mapping
 
@@ -20,11 +21,11 @@ import numpy as np
 
 from . import mxfp4
 from .checks import as_float, check_shape, require
+from .fast import latent_moe as moe_fast
 from .ops import linear, rmsnorm, sigmoid
 from .situ import situ_glu, situ_glu_vec
 
 RENORM_EPS = 1e-20
-_BATCH_BYTES = 4 << 20   # one token's experts are dequantised together when a projection of all of them fits here
 EXPERT_PROJS = ("w1", "w2", "w3")   # w1 = gate [I, Dl], w3 = up [I, Dl], w2 = down [Dl, I]
 
 
@@ -176,9 +177,9 @@ def _tensor(weights: Mapping, name: str, shape: tuple) -> np.ndarray:
 
 def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Expert e's (packed, scale) per projection, shapes and dtypes checked (once per layer call)."""
-    Dl, I = cfg.latent_size, cfg.moe_intermediate_size
+    Dl, Di = cfg.latent_size, cfg.moe_intermediate_size
     out = {}
-    for proj, (rows, cols) in (("w1", (I, Dl)), ("w3", (I, Dl)), ("w2", (Dl, I))):
+    for proj, (rows, cols) in (("w1", (Di, Dl)), ("w3", (Di, Dl)), ("w2", (Dl, Di))):
         packed = _tensor(weights, f"experts.{e}.{proj}.weight_packed", (rows, cols // 2))
         scale = _tensor(weights, f"experts.{e}.{proj}.weight_scale", (rows, cols // 32))
         for name, a in (("weight_packed", packed), ("weight_scale", scale)):
@@ -209,27 +210,6 @@ def _run_expert(t: dict, z: np.ndarray, cfg: LatentMoeConfig, cores, gemv) -> np
     return np.asarray(gemv(*t["w2"], np.asarray(h).astype(z.dtype, copy=False))).astype(z.dtype, copy=False)
 
 
-def _one_token_experts(tensors: dict, z: np.ndarray, cfg: LatentMoeConfig, cores) -> dict[int, np.ndarray]:
-    """Every expert in `tensors` (checked) on the one row z [1, Dl] -> {e: E_e(z) [1, Dl]}, for small experts where
-    a call per matrix costs more than its bytes (a decode step of `small`: 8 experts of [128 x 512] per layer).
-    w1 and w3 of all experts are dequantised into one buffer each and multiplied at once, SiTU runs once,
-    and w2 is dequantised at once and multiplied per expert: each output element is the same dot product as in
-    `_run_expert`, in the same order."""
-    Dl, I, n = cfg.latent_size, cfg.moe_intermediate_size, len(tensors)
-
-    def stacked(proj: str, rows: int, cols: int) -> np.ndarray:
-        W = np.empty((n * rows, cols), np.float32)
-        for j, t in enumerate(tensors.values()):
-            mxfp4.dequantize_rows(*t[proj], W[j * rows:(j + 1) * rows])
-        return W.astype(z.dtype, copy=False)
-
-    gate = (z @ stacked("w1", I, Dl).T).reshape(n, I)
-    up = (z @ stacked("w3", I, Dl).T).reshape(n, I)
-    h = np.asarray(cores.situ_glu(gate, up, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)).astype(z.dtype, copy=False)
-    W2 = stacked("w2", Dl, I).reshape(n, Dl, I)
-    return {e: (h[j:j + 1] @ W2[j].T).astype(z.dtype, copy=False) for j, e in enumerate(tensors)}
-
-
 def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig, cores=None) -> np.ndarray:
     """One routed expert: E_e(z) = W2 situ_glu(W1 z, W3 z) with MXFP4 weights via `cores.mxfp4_gemv`.
 
@@ -257,8 +237,10 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     check_shape("z", z, (None, cfg.latent_size))
     chosen = [int(e) for e in np.unique(idx) if experts is None or int(e) in experts]
     if (z.shape[0] == 1 and gemv is mxfp4.mxfp4_gemv_prechecked
-            and len(chosen) * cfg.latent_size * cfg.moe_intermediate_size * 4 <= _BATCH_BYTES):
-        outs = _one_token_experts({e: _expert_tensors(weights, e, cfg) for e in chosen}, z, cfg, cores)
+            and moe_fast.fits_one_batch(len(chosen), cfg.latent_size, cfg.moe_intermediate_size)):
+        glu = functools.partial(cores.situ_glu, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)
+        outs = moe_fast.one_token_experts({e: _expert_tensors(weights, e, cfg) for e in chosen}, z,
+                                          cfg.latent_size, cfg.moe_intermediate_size, glu)
         y_lat = mix_routed_experts(z, w, idx, lambda e, rows: outs[e], experts)
     else:
         y_lat = mix_routed_experts(z, w, idx, lambda e, rows: _run_expert(_expert_tensors(weights, e, cfg), rows,
@@ -311,7 +293,7 @@ def random_moe_weights(cfg: LatentMoeConfig, rng: np.random.Generator, dtype=np.
     router bias (F32) ~ N(0, 0.1) -- nonzero and large enough to change the selection against sigmoid
     scores of spread ~0.2; routed experts quantised to MXFP4 with `quantize`.
     """
-    D, E, Dl, I, Is = (cfg.hidden_size, cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size,
+    D, E, Dl, Di, Is = (cfg.hidden_size, cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size,
                        cfg.shared_width)
 
     def lin(out, inp):
@@ -329,7 +311,7 @@ def random_moe_weights(cfg: LatentMoeConfig, rng: np.random.Generator, dtype=np.
         w["shared_experts.up_proj.weight"] = lin(Is, D)
         w["shared_experts.down_proj.weight"] = lin(D, Is)
     for e in range(E):
-        for proj, (rows, cols) in (("w1", (I, Dl)), ("w3", (I, Dl)), ("w2", (Dl, I))):
+        for proj, (rows, cols) in (("w1", (Di, Dl)), ("w3", (Di, Dl)), ("w2", (Dl, Di))):
             packed, scale = mxfp4.quantize(rng.standard_normal((rows, cols)) / np.sqrt(cols))
             w[f"experts.{e}.{proj}.weight_packed"] = packed
             w[f"experts.{e}.{proj}.weight_scale"] = scale

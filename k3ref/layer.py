@@ -2,7 +2,7 @@
 
 Layer l (0-indexed) is MLA iff l + 1 is in `full_attn_layers` (1-indexed, as published), else KDA; its MLP
 is dense iff l < first_k_dense_replace, else LatentMoE. Block AttnRes starts a new block at every l with
-l % attn_res_block_size == 0 (DESIGN.md section 3). For k3: 69 KDA + 24 MLA, MLA at 3, 7, ..., 91, 92.
+l % attn_res_block_size == 0 (docs/spec.md section 2.2 and 3.6). For k3: 69 KDA + 24 MLA, MLA at 3, 7, ..., 91, 92.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gated NoPE MLA (DESIGN.md section 3): the absorbed decode form over the paged latent cache and the
+"""Gated NoPE MLA (docs/spec.md section 3.2): the absorbed decode form over the paged latent cache and the
 expanded form, written independently so each checks the other.
 
 Per token x [D], heads h = 0..H-1 (n = qk_nope, r = qk_rope, v = v_head, R = kv_lora):
@@ -20,7 +20,7 @@ import numpy as np
 
 from . import ops
 from .cache import MlaKv
-from .checks import as_float, check_shape, require
+from .checks import as_float, check_shape, is_finite_real, is_int_value, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +41,10 @@ class MlaConfig:
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
             if f.name.endswith("eps"):
-                require(isinstance(val, (int, float, np.floating)) and not isinstance(val, bool)
-                        and math.isfinite(val) and val > 0,
+                require(is_finite_real(val) and val > 0,
                         f"MlaConfig.{f.name}: expected a positive finite float, found {val!r}")
             else:
-                require(isinstance(val, (int, np.integer)) and not isinstance(val, bool) and val >= 1,
+                require(is_int_value(val) and val >= 1,
                         f"MlaConfig.{f.name}: expected a positive int, found {val!r}")
 
     @property
@@ -210,9 +209,9 @@ def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_
     require(seq_lens.dtype.kind in "iu", f"seq_lens: expected an integer array, found dtype {seq_lens.dtype}")
     max_pages = check_shape("block_table", block_table, (B, None))[1]
     check_shape("seq_lens", seq_lens, (B,))
-    require(isinstance(kv_rank, (int, np.integer)) and 1 <= kv_rank <= W,
+    require(isinstance(kv_rank, (int, np.integer)) and bool(1 <= kv_rank <= W),
             f"kv_rank: expected an int in [1, {W}] (cache row width), found {kv_rank!r}")
-    require(isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0,
+    require(is_finite_real(scale) and scale > 0,
             f"scale: expected a positive finite float, found {scale!r}")
     pages = []
     for b in range(B):
@@ -226,7 +225,8 @@ def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_
                 f"found {used.tolist()}")
         rows = kv_cache[used].reshape(-1, W)[:L]
         require(bool(np.all(np.isfinite(rows if rows.dtype.kind == "f" else rows.astype(np.float32)))),
-                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages {used.tolist()}")
+                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages "
+                f"{used.tolist()}")
         pages.append(used)
     return (B, H, W), pages
 
@@ -343,7 +343,8 @@ def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaC
     return proj(o * ops.sigmoid(proj(X, "g_proj.weight")), "o_proj.weight")
 
 
-def random_mla_weights(cfg: MlaConfig, hidden: int, rng: np.random.Generator, dtype=np.float64) -> dict[str, np.ndarray]:
+def random_mla_weights(cfg: MlaConfig, hidden: int, rng: np.random.Generator,
+                       dtype=np.float64) -> dict[str, np.ndarray]:
     """Synthetic module-local MLA weights with O(1) activations for unit-RMS x.
 
     Linear weights ~ N(0, 1/fan_in) (outputs keep unit scale); norm weights ~ 1 + 0.1 N(0, 1).

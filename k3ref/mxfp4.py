@@ -1,4 +1,4 @@
-"""MXFP4 (OCP Microscaling v1.0) as K3 stores its routed experts (DESIGN.md sections 3 and 7).
+"""MXFP4 (OCP Microscaling v1.0) as K3 stores its routed experts (docs/spec.md sections 3.5 and 7).
 
 32 E2M1 codes share one E8M0 scale:  value = E2M1[code] * 2^(e - 127),  e = 255 is NaN.
 Byte layout (compressed-tensors `mxfp4-pack-quantized`): element 2i sits in the LOW nibble of byte i,
@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import as_float, check_shape, require
+from .fast import mxfp4 as mxfp4_fast
 
 GROUP = 32          # elements per shared scale
 E8M0_BIAS = 127
@@ -61,13 +62,7 @@ def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
 
 _SCALE_VALUES = e8m0_to_float(np.arange(256, dtype=np.uint8))  # every E8M0 byte's value, float32 [256]
 
-# byte -> the float32 values of its two elements as one 8-byte integer item: np.take with intp indices copies
-# items whole (no arithmetic, so every bit pattern survives) from a 2 KB table that stays in L1; ~8x faster here
-# than `_BYTE_VALUES` indexed per byte with uint8 indices, and 2x faster than a 1 MB two-byte table once other
-# work has evicted it (as in a decode step, layer after layer).
-_BYTE_ITEMS = np.ascontiguousarray(_BYTE_VALUES).view(np.uint64)[:, 0]
-_BYTE_ITEMS.setflags(write=False)
-_GEMV_BLOCK_BYTES = 1 << 19   # float32 bytes of one dequantised row block of mxfp4_gemv: stays in L2 (speed only)
+_TABLES = mxfp4_fast.LookupTables.from_values(_BYTE_VALUES, _SCALE_VALUES)   # the fast forms' lookups
 
 
 def dequantize(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -132,36 +127,17 @@ def mxfp4_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarr
     check_shape("packed", p, (None, K // 2))
     s = _check_u8("scale", scale)
     check_shape("scale", s, (p.shape[0], K // GROUP))
-    return _gemv_blocked(p, s, x)
+    return mxfp4_fast.gemv_rows(p, s, x, _TABLES)
 
 
 def mxfp4_gemv_prechecked(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
     """`mxfp4_gemv` for a caller that has checked the arguments once (a layer over all its experts): packed u8
     [N, K/2], scale u8 [N, K/32], finite float32/float64 x [..., K]. Same result, no per-call validation."""
-    return _gemv_blocked(packed, scale, x)
+    return mxfp4_fast.gemv_rows(packed, scale, x, _TABLES)
 
 
 def dequantize_rows(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> np.ndarray:
     """`dequantize` of a row block into `out`: p u8 [R, K/2], s u8 [R, K/32] (checked by the caller), out float32
-    [R, K] C-contiguous -> out, holding the same exact float32 products as `dequantize`."""
-    R, K = out.shape
-    # [R, K/2] items, two elements each. Byte indices are always < 256, so mode="wrap" changes nothing; it
-    # spares take's default mode="raise" from staging `out` in a buffer (measured 2.5x faster here).
-    np.take(_BYTE_ITEMS, p.astype(np.intp), out=out.view(np.uint64), mode="wrap")
-    groups = out.reshape(R, K // GROUP, GROUP)
-    np.multiply(groups, np.take(_SCALE_VALUES, s)[..., None], out=groups)
-    return out
-
-
-def _gemv_blocked(p: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """y = x @ dequantize(p, s).T, a block of rows at a time: the float32 matrix (8x the packed bytes) is never
-    formed whole, each block is dequantised into one buffer that stays in cache and multiplied at once."""
-    N, K = p.shape[0], 2 * p.shape[1]
-    rows = max(1, min(N, _GEMV_BLOCK_BYTES // (4 * K)))
-    buf = np.empty((rows, K), np.float32)
-    y = np.empty(x.shape[:-1] + (N,), x.dtype)
-    for r0 in range(0, N, rows):
-        n = min(rows, N - r0)
-        W = dequantize_rows(p[r0:r0 + n], s[r0:r0 + n], buf[:n])
-        y[..., r0:r0 + n] = x @ W.astype(x.dtype, copy=False).T
-    return y
+    [R, K] C-contiguous -> out, holding the same exact float32 products as `dequantize`
+    (`k3ref.fast.mxfp4.dequantize_rows` with this module's tables)."""
+    return mxfp4_fast.dequantize_rows(p, s, out, _TABLES)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 # The safetensors library refuses a longer header (its HeaderTooLarge); a longer length field is damage.
@@ -106,7 +107,7 @@ def _valid_unicode(obj: Any) -> str | None:
     return None
 
 
-def loads_strict(raw: bytes | str, where: str | os.PathLike, what: str = "JSON") -> Any:
+def loads_strict(raw: bytes | memoryview | str, where: str | os.PathLike, what: str = "JSON") -> Any:
     """Parse UTF-8 JSON strictly: no duplicate keys, no NaN/Infinity, valid Unicode.
 
     Any defect raises FormatError('<where>: <what>: not valid JSON (...)').
@@ -140,8 +141,6 @@ def numpy_dtype(tag: str) -> np.dtype:
     """The numpy dtype that holds a tensor stored as `tag` (BF16: ml_dtypes.bfloat16); ValueError naming the
     tags it knows when numpy has none (the FP8 tags)."""
     if tag == "BF16":
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16)
     if tag not in NUMPY_DTYPES:
         raise ValueError(f"dtype: expected one of BF16, {', '.join(NUMPY_DTYPES)}, found {tag}")
@@ -196,7 +195,7 @@ def _entry(name: str, info: Any, where, dtypes: Mapping[str, int]) -> Entry:
     return Entry(dtype, tuple(shape), begin, end)
 
 
-def parse_header(raw: bytes, data_size: int, where: str | os.PathLike,
+def parse_header(raw: bytes | memoryview, data_size: int, where: str | os.PathLike,
                  dtypes: Mapping[str, int] = ITEMSIZE) -> tuple[dict[str, Entry], dict[str, str]]:
     """Check the JSON header `raw` (n bytes) against a data buffer of `data_size` bytes.
 

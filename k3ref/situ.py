@@ -1,4 +1,4 @@
-"""SiTU-GLU: the K3 MLP nonlinearity (DESIGN.md section 3).
+"""SiTU-GLU: the K3 MLP nonlinearity (docs/spec.md section 3.3).
 
     softcap_c(z)   = c * tanh(z / c)
     SiTU_b(g)      = softcap_b(g) * sigma(g)
@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import as_float, check_shape, require
+from .checks import as_float, check_shape, is_finite_real, require
 from .ops import linear, sigmoid
 
 
 def _check_cap(name: str, cap) -> float:
-    cap = float(cap)
-    require(np.isfinite(cap) and cap > 0, f"{name}: expected a finite positive cap, found {cap}")
-    return cap
+    require(is_finite_real(cap) and cap > 0, f"{name}: expected a finite positive cap, found {cap}")
+    return float(cap)
 
 
 def softcap(z: np.ndarray, cap: float) -> np.ndarray:
@@ -60,9 +59,9 @@ def situ_glu_vec(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray,
     x = as_float("x", x)
     require(x.ndim >= 1, "x: expected shape [..., D], found a scalar")
     D = x.shape[-1]
-    I, _ = check_shape("w1", w1, (None, D))
-    check_shape("w3", w3, (I, D))
-    check_shape("w2", w2, (D, I))
+    Di, _ = check_shape("w1", w1, (None, D))
+    check_shape("w3", w3, (Di, D))
+    check_shape("w2", w2, (D, Di))
     glu = situ_glu if cores is None else cores.situ_glu
     h = glu(linear(x, w1), linear(x, w3), beta=beta, linear_beta=linear_beta)
     return linear(np.asarray(h).astype(x.dtype, copy=False), w2)
@@ -74,5 +73,5 @@ def split_fused_gate_up(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     check_shape("w", w, (None, None))
     require(w.shape[0] % 2 == 0, f"w: expected a fused [gate | up] weight with an even row count 2I, "
                                  f"found shape {w.shape}")
-    I = w.shape[0] // 2
-    return w[:I], w[I:]
+    Di = w.shape[0] // 2
+    return w[:Di], w[Di:]

@@ -173,8 +173,11 @@ class TpPlan:
             out[:h] = a[rank * h:(rank + 1) * h]
             return out
         if e.kind in ("column", "row"):
+            if e.axis is None:
+                raise ValueError(f"shard: {name}: a {e.kind} split needs an axis, found none")
             n = a.shape[e.axis] // self.tp
-            return a[(slice(None),) * e.axis + (slice(rank * n, (rank + 1) * n),)]
+            index: tuple[slice, ...] = (slice(None),) * e.axis + (slice(rank * n, (rank + 1) * n),)
+            return a[index]
         return a
 
     def weight_bytes_per_rank(self) -> dict[str, int]:

@@ -35,7 +35,7 @@ class ShardBytes:
 class SliceReader:
     """Memory-maps safetensors files once each and copies out slices of tensors, counting the bytes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._maps: dict[Path, np.memmap] = {}
         self.bytes_read = 0
 
@@ -75,8 +75,9 @@ def read_rank_shard(plan: TpPlan, rank: int, entries: Mapping[str, HeaderEntry],
         if not plan.holds(name, rank):
             continue
         h = entries.get(prefix + name)
-        require(h is not None, f"rank {rank}: tensor {prefix + name} of its shard is missing from the file(s) "
-                               f"({len(entries)} tensors found)")
+        if h is None:
+            raise ValueError(f"rank {rank}: tensor {prefix + name} of its shard is missing from the file(s) "
+                             f"({len(entries)} tensors found)")
         require(tuple(h.shape) == e.spec.shape,
                 f"rank {rank}: {prefix + name}: expected the full shape {list(e.spec.shape)}, found {list(h.shape)} "
                 f"in {h.path}")

@@ -1,6 +1,6 @@
 """The K3 weight inventory, synthetic weights and checkpoints, a lazy checkpoint reader, and admission.
 
-- `inventory(cfg)`: every text tensor of the published checkpoint (DESIGN.md section 7) as
+- `inventory(cfg)`: every text tensor of the published checkpoint (docs/spec.md section 7) as
   TensorSpec(name, shape, dtype) with dtype "BF16" / "F32" / "U8"; K3 holds 497,052 of them.
 - `synthetic_weights(cfg, seed)`: deterministic weights whose activations stay O(1) through the model;
   floats already rounded to what the checkpoint stores (bf16 / float32), so a checkpoint round trip is exact.
@@ -28,10 +28,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+import ml_dtypes  # also registers numpy's 'bfloat16' dtype, which safetensors needs to read BF16
 import numpy as np
+from safetensors import safe_open
 
 from . import safetensors_io
 from .config import PRESETS, K3Config
+from .mxfp4 import quantize
 
 TEXT_PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -152,9 +155,9 @@ def _kda_specs(cfg: K3Config, a: str) -> list[TensorSpec]:
 
 def _dense_mlp_specs(cfg: K3Config, m: str) -> list[TensorSpec]:
     """The dense SiTU MLP of the first layers."""
-    D, I = cfg.hidden_size, cfg.intermediate_size
-    return [TensorSpec(m + "gate_proj.weight", (I, D), "BF16"), TensorSpec(m + "up_proj.weight", (I, D), "BF16"),
-            TensorSpec(m + "down_proj.weight", (D, I), "BF16")]
+    D, Di = cfg.hidden_size, cfg.intermediate_size
+    return [TensorSpec(m + "gate_proj.weight", (Di, D), "BF16"), TensorSpec(m + "up_proj.weight", (Di, D), "BF16"),
+            TensorSpec(m + "down_proj.weight", (D, Di), "BF16")]
 
 
 def _moe_specs(cfg: K3Config, m: str, experts: bool, i: int) -> list[TensorSpec]:
@@ -178,9 +181,9 @@ def _moe_specs(cfg: K3Config, m: str, experts: bool, i: int) -> list[TensorSpec]
 
 def _expert_specs(cfg: K3Config, i: int, e: int) -> list[TensorSpec]:
     """The six MXFP4 tensors of routed expert e of layer i (w1, w3: [I, latent]; w2: [latent, I])."""
-    I, Lt, g = cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 32   # g: the MXFP4 group
+    Di, Lt, g = cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 32   # g: the MXFP4 group
     out = []
-    for w, (rows, cols) in ((1, (I, Lt)), (2, (Lt, I)), (3, (I, Lt))):
+    for w, (rows, cols) in ((1, (Di, Lt)), (2, (Lt, Di)), (3, (Di, Lt))):
         out += [TensorSpec(expert_name(i, e, w, "packed"), (rows, cols // 2), "U8"),
                 TensorSpec(expert_name(i, e, w, "scale"), (rows, cols // g), "U8")]
     return out
@@ -261,7 +264,7 @@ def _inventory(cfg: K3Config) -> tuple[TensorSpec, ...]:
 
 
 def inventory(cfg: K3Config) -> list[TensorSpec]:
-    """Every text tensor of `cfg`'s checkpoint, full names, in checkpoint order (DESIGN.md section 7).
+    """Every text tensor of `cfg`'s checkpoint, full names, in checkpoint order (docs/spec.md section 7).
 
     Globals: embed_tokens [V, D], norm [D], output_attn_res_norm [D], output_attn_res_proj [1, D], lm_head [V, D]
     (absent when tied). Per layer: 4 norms [D] + 2 AttnRes projections [1, D]; KDA (14 tensors) or MLA (8);
@@ -307,8 +310,6 @@ def _float_values(spec: TensorSpec, cfg: K3Config, seed: int) -> np.ndarray:
 def _round(values: np.ndarray, dtype: str) -> np.ndarray:
     """Round float32 values to what the checkpoint stores: bf16 (ml_dtypes, RNE) or float32."""
     if dtype == "BF16":
-        import ml_dtypes
-
         return values.astype(ml_dtypes.bfloat16)
     return values.astype(np.float32)
 
@@ -317,13 +318,13 @@ class _ExpertQuantizer:
     """MXFP4 bytes of routed experts: one float matrix per (layer, expert, w), quantised once for both parts."""
 
     def __init__(self, cfg: K3Config, seed: int):
-        self.cfg, self.seed, self._last = cfg, seed, (None, None)
+        self.cfg, self.seed = cfg, seed
+        # (tensor base name, its (packed, scale)): the packed and the scale tensor come one after the other
+        self._last: tuple[str, tuple[np.ndarray, np.ndarray]] | None = None
 
     def __call__(self, spec: TensorSpec) -> np.ndarray:
-        from .mxfp4 import quantize
-
         base = spec.name.rsplit(".weight_", 1)[0]
-        if self._last[0] != base:
+        if self._last is None or self._last[0] != base:
             rows, cols = spec.shape[0], spec.shape[1] * (2 if spec.name.endswith("packed") else 32)
             w = _rng(self.seed, base).standard_normal((rows, cols), dtype=np.float32) / np.float32(math.sqrt(cols))
             self._last = (base, quantize(w))
@@ -389,7 +390,7 @@ def _write_safetensors(path: Path, items: Iterable[tuple[TensorSpec, np.ndarray]
             arr = np.ascontiguousarray(arr)
             if arr.nbytes != spec.nbytes or tuple(arr.shape) != spec.shape:
                 raise ValueError(f"{spec.name}: array {arr.dtype} {arr.shape} does not match {spec}")
-            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+            f.write(arr.reshape(-1).view(np.uint8).data)
     os.replace(tmp, path)
 
 
@@ -497,9 +498,6 @@ class CheckpointReader(Mapping):
 
     def _handle(self, path: Path):
         if path not in self._handles:
-            import ml_dtypes  # noqa: F401  registers numpy's 'bfloat16' dtype, which safetensors needs for BF16
-            from safetensors import safe_open
-
             self._handles[path] = safe_open(str(path), framework="numpy")
         return self._handles[path]
 
@@ -625,6 +623,15 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
                               f"({cfg.n_routed_experts:,} routed experts in {cfg.num_hidden_layers:,} layers), the "
                               f"checkpoint holds {len(found):,}: this is not the checkpoint's config")
     expected = {s.name: s for s in inventory(cfg)}
+    problems += _inventory_problems(expected, found)
+    problems += _index_problems(directory, shards)
+    return Verdict(directory, _config_label(cfg), len(expected), len(found), len(files), ignored, problems)
+
+
+def _inventory_problems(expected: Mapping[str, TensorSpec], found: Mapping[str, HeaderEntry]) -> list[Problem]:
+    """Each tensor the config expects against the one the shards hold (missing, shape, dtype), then every
+    tensor the shards hold that the config does not expect."""
+    problems: list[Problem] = []
     for name, spec in expected.items():
         h = found.get(name)
         if h is None:
@@ -636,8 +643,7 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
             problems.append(Problem("dtype", name, spec.dtype, h.dtype))
     problems += [Problem("unexpected", name, "absent", f"{h.dtype} {list(h.shape)} in {h.path.name}")
                  for name, h in found.items() if name not in expected]
-    problems += _index_problems(directory, shards)
-    return Verdict(directory, _config_label(cfg), len(expected), len(found), len(files), ignored, problems)
+    return problems
 
 
 def _index_problems(directory: Path, shards: Mapping[str, Mapping[str, HeaderEntry]]) -> list[Problem]:
@@ -654,8 +660,9 @@ def _index_problems(directory: Path, shards: Mapping[str, Mapping[str, HeaderEnt
         raise CheckpointError(str(e)) from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict):
+        found = type(wm if isinstance(index, dict) else index).__name__
         raise CheckpointError(f"{path}: unreadable index: expected an object with a \"weight_map\" object "
-                              f"{{tensor name: shard file}}, found {type(wm if isinstance(index, dict) else index).__name__}")
+                              f"{{tensor name: shard file}}, found {found}")
     bad = [name for name, fname in wm.items() if not isinstance(fname, str)]
     if bad:
         raise CheckpointError(f"{path}: unreadable index: weight_map[{bad[0]!r}] is {wm[bad[0]]!r:.80}, "

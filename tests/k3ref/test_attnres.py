@@ -1,6 +1,7 @@
 """k3ref.attnres: the AttnRes softmax mix, the blend lever, and the hub against an explicit depth recurrence."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -10,6 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from k3ref import attnres
+from k3ref.config import K3Config
+from k3ref.cores import reference_cores
+from k3ref.cpu_forward import K3CpuModel, forward_prefill
 from tests.support.tolerances import effect, rel_rms, tol
 
 # Test-local tolerance rows (name: (value, reason)).
@@ -17,6 +21,8 @@ LOCAL_TOL = {
     "hull_slack": (1e-12, "float64 rounding of a convex combination of O(1) values, relative to the range"),
     "boundary_moved_min": (1e-3, "moving one AttnRes block boundary changes h by O(0.1) relative; 1e-3 is far "
                                  "above rounding (1e-15) and far below the effect"),
+    "eps_moved_min": (1e-3, "eps 1 against 1e-5 on sources of RMS 0.3 and 3 shrinks one key by ~3x and the other "
+                            "by ~5%, moving the mix by O(0.1) relative; a hub that ignored its eps shows 0"),
 }
 
 
@@ -34,7 +40,7 @@ def _ar_loop(sources, proj_w, norm_w, eps=1e-5):
             rms = math.sqrt(sum(c * c for c in v) / D + eps)
             logits.append(sum(v[d] / rms * q[d] for d in range(D)))
         m = max(logits)
-        w = [math.exp(l - m) for l in logits]
+        w = [math.exp(layer - m) for layer in logits]
         out[t] = sum(w[i] / sum(w) * flat[i, t] for i in range(S))
     return out.reshape(V.shape[1:])
 
@@ -123,11 +129,11 @@ class Toy:
         self.n_attn, self.n_mlp = 1 + 0.3 * r.standard_normal((2, L, D))  # norm_w
         self.q_out, self.n_out = r.standard_normal(D), 1 + 0.3 * r.standard_normal(D)
 
-    def mixer(self, l, h):
-        return np.tanh(h @ self.A[l])
+    def mixer(self, layer, h):
+        return np.tanh(h @ self.A[layer])
 
-    def mlp(self, l, m):
-        return 0.5 * np.tanh(m @ self.F[l])
+    def mlp(self, layer, m):
+        return 0.5 * np.tanh(m @ self.F[layer])
 
 
 def run_hub(toy: Toy, emb, block_size: int):
@@ -135,11 +141,11 @@ def run_hub(toy: Toy, emb, block_size: int):
     hub = attnres.AttnResHub(block_size)
     hub.start(emb)
     hs, ms = [], []
-    for l in range(toy.L):
-        hs.append(hub.mixer_input(l, toy.q_attn[l], toy.n_attn[l]))
-        hub.add_mixer(toy.mixer(l, hs[-1]))
-        ms.append(hub.mlp_input(toy.q_mlp[l], toy.n_mlp[l]))
-        hub.add_mlp(toy.mlp(l, ms[-1]))
+    for layer in range(toy.L):
+        hs.append(hub.mixer_input(layer, toy.q_attn[layer], toy.n_attn[layer]))
+        hub.add_mixer(toy.mixer(layer, hs[-1]))
+        ms.append(hub.mlp_input(toy.q_mlp[layer], toy.n_mlp[layer]))
+        hub.add_mlp(toy.mlp(layer, ms[-1]))
     return np.array(hs), np.array(ms), hub.final_input(toy.q_out, toy.n_out)
 
 
@@ -162,13 +168,13 @@ def run_explicit(toy: Toy, emb, is_boundary):
             part = part + [partial_extra]
         return done, sum(part)
 
-    for l in range(toy.L):
-        done, part = sources(l - 1)
-        hs.append(part if not done else _ar_loop(np.array(done + [part]), toy.q_attn[l], toy.n_attn[l]))
-        a = toy.mixer(l, hs[-1])
-        done, part = sources(l, partial_extra=a)
-        ms.append(_ar_loop(np.array(done + [part]), toy.q_mlp[l], toy.n_mlp[l]))
-        pieces.append(a + toy.mlp(l, ms[-1]))
+    for layer in range(toy.L):
+        done, part = sources(layer - 1)
+        hs.append(part if not done else _ar_loop(np.array(done + [part]), toy.q_attn[layer], toy.n_attn[layer]))
+        a = toy.mixer(layer, hs[-1])
+        done, part = sources(layer, partial_extra=a)
+        ms.append(_ar_loop(np.array(done + [part]), toy.q_mlp[layer], toy.n_mlp[layer]))
+        pieces.append(a + toy.mlp(layer, ms[-1]))
     done, part = sources(toy.L - 1)
     return np.array(hs), np.array(ms), _ar_loop(np.array(done + [part]), toy.q_out, toy.n_out)
 
@@ -187,8 +193,8 @@ def test_hub_matches_explicit_recurrence(L, B, batch):
     toy = Toy(L, 6, seed=L * 10 + B)
     emb = np.random.default_rng(B).standard_normal(batch + (6,))
     got = run_hub(toy, emb, B)
-    want = run_explicit(toy, emb, lambda l: l % B == 0)
-    for g, w in zip(got, want):
+    want = run_explicit(toy, emb, lambda layer: layer % B == 0)
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         assert rel_rms(g, w) <= tol("fp64_same_math")
 
@@ -199,7 +205,7 @@ def test_explicit_recurrence_notices_a_moved_boundary(shift):
     toy = Toy(8, 6, seed=83)
     emb = np.random.default_rng(3).standard_normal(6)
     got = run_hub(toy, emb, 3)
-    want = run_explicit(toy, emb, lambda l: (l + shift) % 3 == 0)
+    want = run_explicit(toy, emb, lambda layer: (layer + shift) % 3 == 0)
     assert rel_rms(got[0], want[0]) > LOCAL_TOL["boundary_moved_min"][0]
 
 
@@ -207,8 +213,8 @@ def test_hub_commits_at_block_starts():
     hub = attnres.AttnResHub(3)
     hub.start(np.ones(4))
     counts = []
-    for l in range(7):
-        hub.mixer_input(l, np.ones(4), np.ones(4))
+    for layer in range(7):
+        hub.mixer_input(layer, np.ones(4), np.ones(4))
         counts.append(len(hub.blocks))
         hub.add_mixer(np.ones(4))
         hub.mlp_input(np.ones(4), np.ones(4))
@@ -227,14 +233,50 @@ def test_hub_calls_the_core_with_the_sources():
     hub = attnres.AttnResHub(2)
     hub.start(np.ones((3, 4)))
     cores = types.SimpleNamespace(attnres_mix=core)
-    for l in range(3):
-        hub.mixer_input(l, np.ones(4), np.ones(4), mix=0.5, cores=cores)
+    for layer in range(3):
+        hub.mixer_input(layer, np.ones(4), np.ones(4), mix=0.5, cores=cores)
         hub.add_mixer(np.ones((3, 4)))
         hub.mlp_input(np.ones(4), np.ones(4), mix=0.5, cores=cores)
         hub.add_mlp(np.ones((3, 4)))
     hub.final_input(np.ones(4), np.ones(4), mix=0.5, cores=cores)
     # l0: mixer = embedding (no core), mlp [emb, a0]; l1: [emb, p], [emb, p]; l2 commits: [emb, p], [emb, B1, a2]
     assert calls == [(2, 0.5), (2, 0.5), (2, 0.5), (2, 0.5), (3, 0.5), (3, 0.5)]
+
+
+def _mlp_mix(hub, sources, proj_w, norm_w):
+    """The hub's first MLP input: AR([embedding, mixer output]) after layer 0 committed the embedding."""
+    hub.start(sources[0])
+    hub.mixer_input(0, proj_w, norm_w)
+    hub.add_mixer(sources[1])
+    return hub.mlp_input(proj_w, norm_w)
+
+
+def test_hub_mixes_with_its_eps(rng):
+    """The hub's keys use the eps it was built with (the config's rms_norm_eps), not the core's default."""
+    D = 8
+    sources = np.stack([0.3 * rng.standard_normal((2, D)), 3.0 * rng.standard_normal((2, D))])
+    proj_w, norm_w = rng.standard_normal(D), 1.0 + 0.1 * rng.standard_normal(D)
+    got = _mlp_mix(attnres.AttnResHub(1, eps=1.0), sources, proj_w, norm_w)
+    np.testing.assert_array_equal(got, attnres.attnres_mix(sources, proj_w, norm_w, eps=1.0))
+    default = _mlp_mix(attnres.AttnResHub(1), sources, proj_w, norm_w)
+    assert rel_rms(got, default) > LOCAL_TOL["eps_moved_min"][0]
+    assert attnres.AttnResHub(1, eps=1.0).copy().eps == 1.0
+
+
+def test_host_graph_hub_uses_the_config_eps():
+    """Every AttnRes mix of a forward pass gets the config's rms_norm_eps (the spec's AttnRes RMSNorm eps)."""
+    cfg = dataclasses.replace(K3Config.preset("tiny"), rms_norm_eps=1e-2)
+    seen = []
+
+    def mix(sources, proj_w, norm_w, mix=1.0, eps=1e-5):
+        seen.append(eps)
+        return attnres.attnres_mix(sources, proj_w, norm_w, mix, eps)
+
+    model = K3CpuModel.synthetic(cfg, seed=7)
+    cache = model.new_cache()
+    cores = reference_cores().replace(attnres_mix=mix)
+    forward_prefill(model, [5, 17, 3], cache, seq=cache.add_sequence(), cores=cores)
+    assert seen and set(seen) == {1e-2}
 
 
 def test_hub_copy_is_independent():
@@ -255,6 +297,7 @@ def test_hub_copy_is_independent():
                  id="norm-width"),
     pytest.param(lambda: attnres.attnres_blend(np.ones(3), np.ones(4), 0.5), "mixed", id="blend-shape"),
     pytest.param(lambda: attnres.AttnResHub(0), "block_size", id="block-size-0"),
+    pytest.param(lambda: attnres.AttnResHub(2, eps=0.0), "eps", id="eps-0"),
     pytest.param(lambda: attnres.AttnResHub(2).mlp_input(np.ones(4), np.ones(4)), "start", id="mlp-before-start"),
 ])
 def test_bad_input_raises(call, needle):

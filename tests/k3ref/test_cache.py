@@ -1,12 +1,14 @@
 """MlaKv: page allocation, block tables, gather order, page boundaries, exhaustion, copy/free, errors."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k3ref.cache import MlaKv
+from k3ref.cache import HybridCache, MlaKv
+from k3ref.config import K3Config
 
 
 def token_row(seq: int, pos: int, width: int) -> np.ndarray:
@@ -103,7 +105,6 @@ def test_bytes_per_token(width, dtype_bytes, expected):
 
 
 def test_bf16_pages_round_rows():
-    import ml_dtypes
     cache = MlaKv(1, page_size=2, width=2, dtype=ml_dtypes.bfloat16)
     s = cache.add_sequence()
     cache.append([s], np.array([[1.0 + 2.0 ** -10, 3.0]]))      # 1 + 2^-10 is not a bf16 value
@@ -146,7 +147,7 @@ def test_matches_a_list_model(ops, page):
         if live:
             rows = np.stack([token_row(s, len(model[s]), 2) for s in live])
             cache.append(live, rows)
-            for s, row in zip(live, rows):
+            for s, row in zip(live, rows, strict=True):
                 model[s].append(row)
         if drop and live:
             cache.free(live[0])
@@ -164,20 +165,17 @@ def test_matches_a_list_model(ops, page):
 
 @pytest.fixture(scope="module")
 def tiny_cfg():
-    from k3ref.config import K3Config
     return K3Config.preset("tiny")
 
 
 def test_hybrid_cache_rejects_a_page_size_decode_would_refuse(tiny_cfg):
     """mla_decode_token checks the cache against the model's MlaConfig (page 64): any other page size must be
     refused when the cache is built, not after a prefill at the first decode step."""
-    from k3ref.cache import HybridCache
     with pytest.raises(ValueError, match=r"HybridCache: page_size must be the MLA config's page size 64.*found 16"):
         HybridCache(tiny_cfg, num_pages=4, page_size=16)
 
 
 def test_hybrid_cache_kda_state_and_advance_errors(tiny_cfg):
-    from k3ref.cache import HybridCache
     cache = HybridCache(tiny_cfg, num_pages=4)
     seq = cache.add_sequence()
     kda_layer, mla_layer = cache.kda_layers[0], cache.mla_layers[0]

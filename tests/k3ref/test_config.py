@@ -10,18 +10,20 @@ from k3ref.config import PRESETS, K3Config
 from k3ref.layer import K3Graph, MixerKind, MlpKind
 from k3ref.weights import active_parameters, inventory, num_parameters
 
-# DESIGN.md section 2: MLA at 1-indexed 4, 8, ..., 92 and 93 -> 0-indexed below.
+# docs/spec.md section 2: MLA at 1-indexed 4, 8, ..., 92 and 93 -> 0-indexed below.
 K3_MLA_0 = tuple(range(3, 92, 4)) + (92,)
 
 # name: (bound, reason)
 BOUNDS = {
-    "small_params": ((0.38e9, 0.42e9), "the small config keeps K3's structure at 0.40B parameters +/- 5%, small enough for a CPU"),
-    "tiny_float64_bytes": (1 << 20, "the tiny model stays well under 1 MB of float64 weights, so its goldens stay small enough to commit"),
+    "small_params": ((0.38e9, 0.42e9), "the small config keeps K3's structure at 0.40B parameters +/- 5%, "
+                                       "small enough for a CPU"),
+    "tiny_float64_bytes": (1 << 20, "the tiny model stays well under 1 MB of float64 weights, so its goldens stay "
+                                    "small enough to commit"),
 }
 
 
 def check_k3_schedule(graph: K3Graph) -> None:
-    """Raise AssertionError unless `graph` is K3's published schedule (DESIGN.md section 2)."""
+    """Raise AssertionError unless `graph` is K3's published schedule (docs/spec.md section 2)."""
     assert len(graph) == 93
     assert graph.indices(mixer=MixerKind.MLA) == K3_MLA_0
     assert graph.indices(mixer=MixerKind.KDA) == tuple(i for i in range(93) if i not in K3_MLA_0)
@@ -77,7 +79,7 @@ def test_small_size_and_structure():
 
 
 def _k3_params_by_hand() -> tuple[int, int]:
-    """Total and active K3 parameters re-derived from DESIGN.md section 7 (MXFP4 counted per weight)."""
+    """Total and active K3 parameters re-derived from docs/spec.md section 7 (MXFP4 counted per weight)."""
     D, V, H, K = 7168, 163840, 96, 128
     kda = 3 * H * K * D + 3 * H * K * 4 + 128 + H * K + K * D + H * K * K + H * D + H * K * D + K + D * H * K
     mla = 1536 * D + 1536 + H * 192 * 1536 + 576 * D + 512 + H * 256 * 512 + H * 128 * D + D * H * 128

@@ -164,6 +164,15 @@ def test_planner_with_store_sizes(ckpt):
     assert store.bytes_touched == 0, "planning reads headers only"
 
 
+@pytest.mark.parametrize("sizes, match", [
+    pytest.param(0, "> 0", id="zero-bytes"),
+    pytest.param("10", "a store, a callable or an int", id="text"),
+])
+def test_planner_rejects_sizes(sizes, match):
+    with pytest.raises(ValueError, match=match):
+        PrefetchPlanner(sizes, 10)
+
+
 @pytest.mark.parametrize("choices, match", [
     pytest.param({1: np.array([0, 1])}, r"\[T, k\]", id="1-d"),
     pytest.param({1: np.zeros((2, 2)), }, "integer", id="float-indices"),

@@ -6,11 +6,17 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conformance.cli import main as cli_main
 from k3ref.cache import HybridCache
 from k3ref.config import K3Config
 from k3ref.cores import reference_cores
 from k3ref.cpu_forward import Ablation, K3CpuModel, forward_prefill, forward_token
+from k3ref.cpu_weights import CheckpointWeights
+from k3ref.expert_backend import MmapExpertStore, ReaderExpertStore
 from k3ref.greedy import greedy_decode, greedy_recompute
+from k3ref.tp import LoopbackGroup, TpPlan
+from k3ref.tp_weights import synthetic_rank_shard
+from k3ref.weights import inventory, synthetic_checkpoint
 from tests.support.tolerances import effect, rel_rms, tol
 
 PROMPT = [5, 17, 3, 42, 8, 1, 60]
@@ -132,8 +138,6 @@ def test_routed_experts_are_read_only_when_selected(tiny):
 
 
 def test_checkpoint_forward_equals_in_memory(tiny, tmp_path):
-    from k3ref.weights import synthetic_checkpoint
-
     synthetic_checkpoint(tiny.cfg, 7, tmp_path)
     loaded = K3CpuModel.from_checkpoint(tmp_path, dtype=np.float64)
     c1, c2 = tiny.new_cache(), loaded.new_cache()
@@ -163,8 +167,6 @@ def test_float32_model_tracks_float64(tiny):
 @pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in (1, 2, 4)])
 def test_tensor_parallel_ranks_equal_tp1(tiny, tp):
     """Each rank runs the same host graph on its shard with real collectives (threads): same tokens, logits."""
-    from k3ref.tp import LoopbackGroup, TpPlan
-    from k3ref.tp_weights import synthetic_rank_shard
 
     cfg = tiny.cfg
     if cfg.kda_num_heads % 4 or cfg.num_attention_heads % 4:
@@ -201,15 +203,12 @@ def test_tied_embeddings_use_the_embedding_table():
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
     """A checkpoint whose config is NOT the tiny preset (another vocab and block size)."""
-    from k3ref.weights import synthetic_checkpoint
 
     cfg = dataclasses.replace(K3Config.preset("tiny"), vocab_size=131, attn_res_block_size=2)
     return cfg, synthetic_checkpoint(cfg, 1, tmp_path_factory.mktemp("other"))
 
 
 def test_cli_decode_checkpoint_reads_its_config(other_ckpt, capsys):
-    from conformance.cli import main as cli_main
-
     cfg, d = other_ckpt
     assert cli_main(["decode", "--checkpoint", str(d), "--prompt", "1,2,120", "--max-new", "3"]) == 0
     got = [int(t) for t in capsys.readouterr().out.strip().split(",")]
@@ -218,8 +217,6 @@ def test_cli_decode_checkpoint_reads_its_config(other_ckpt, capsys):
 
 
 def test_checkpoint_with_a_foreign_config_is_refused(other_ckpt, capsys):
-    from conformance.cli import main as cli_main
-
     _, d = other_ckpt
     with pytest.raises(ValueError, match=r"embed_tokens.weight: expected shape \[97, 36\].*found \[131, 36\]"):
         K3CpuModel.from_checkpoint(d, K3Config.preset("tiny"))
@@ -232,7 +229,6 @@ def test_checkpoint_with_a_foreign_config_is_refused(other_ckpt, capsys):
 @pytest.fixture(scope="module")
 def tiny_ckpt(tiny, tmp_path_factory):
     """The tiny model's weights (seed 7) as a checkpoint, several shards so experts span files."""
-    from k3ref.weights import synthetic_checkpoint
 
     return synthetic_checkpoint(tiny.cfg, 7, tmp_path_factory.mktemp("tiny_ckpt"), shard_bytes=50_000)
 
@@ -255,7 +251,6 @@ def _spy_cores(routes: list, gemv_args: list):
 
 def _expert_nbytes(cfg) -> dict[tuple[int, int], int]:
     """(layer, expert) -> stored bytes of its six MXFP4 tensors, from the inventory (not from any store)."""
-    from k3ref.weights import inventory
 
     out: dict[tuple[int, int], int] = {}
     for spec in inventory(cfg):
@@ -270,13 +265,10 @@ def _selected(cfg, routes: list) -> set[tuple[int, int]]:
     """The (layer, expert) pairs in the router's choices: one moe_route call per MoE layer, in layer order."""
     moe_layers = list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
     assert len(routes) == len(moe_layers), f"expected one moe_route call per MoE layer, found {len(routes)}"
-    return {(layer, int(e)) for layer, idx in zip(moe_layers, routes) for e in idx.reshape(-1)}
+    return {(layer, int(e)) for layer, idx in zip(moe_layers, routes, strict=True) for e in idx.reshape(-1)}
 
 
 def test_checkpoint_model_serves_experts_from_the_mmap_store(tiny_ckpt, monkeypatch):
-    from k3ref.cpu_weights import CheckpointWeights
-    from k3ref.expert_backend import MmapExpertStore
-
     monkeypatch.delenv("K3_EXPERT_BACKEND", raising=False)
     loaded = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
     assert isinstance(loaded.weights, CheckpointWeights)
@@ -344,8 +336,6 @@ def test_expert_arrays_reaching_the_core_are_memory_mapped(tiny_ckpt, monkeypatc
 
 
 def test_reader_expert_backend_copies_and_agrees(tiny_ckpt, monkeypatch):
-    from k3ref.expert_backend import ReaderExpertStore
-
     monkeypatch.setenv("K3_EXPERT_BACKEND", "reader")
     by_reader = K3CpuModel.from_checkpoint(tiny_ckpt, dtype=np.float64)
     monkeypatch.delenv("K3_EXPERT_BACKEND")

@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from k3ref import kda, ops
+from k3ref import ops
 from k3ref.cores import Cores
+from k3ref.fast import kda as kda_fast
 from k3ref.kda import (
     KDA_L2_EPS,
     KdaConfig,
@@ -79,8 +80,7 @@ def _rec_inputs(case: RecCase, rng: np.random.Generator, dtype=np.float64):
                  rng.uniform(-1.0, 1.0, H * K), case.lower_bound)
     beta = rng.uniform(0.05, 1.0, (B, T, H))
     S0 = rng.standard_normal((B, H, K, V)) if case.init else None
-    cast = (lambda a: None if a is None else a.astype(dtype))
-    return tuple(cast(a) for a in (q, k, v, g, beta, S0))
+    return tuple(None if a is None else a.astype(dtype) for a in (q, k, v, g, beta, S0))
 
 
 # ----------------------------------------------------------------------------------------------- chunked == recurrent
@@ -89,7 +89,8 @@ def _rec_inputs(case: RecCase, rng: np.random.Generator, dtype=np.float64):
     pytest.param(RecCase(1, 1, 2, 8, 8), id="B1-T1-H2-K8-V8"),
     pytest.param(RecCase(2, 63, 3, 16, 24, init=True), id="B2-T63-H3-K16-V24-init"),
     pytest.param(RecCase(2, 64, 2, 16, 16, l2=True), id="B2-T64-H2-K16-V16-l2"),
-    pytest.param(RecCase(1, 65, 2, 16, 8, init=True, l2=True, lower_bound=None), id="B1-T65-H2-K16-V8-init-l2-softplus"),
+    pytest.param(RecCase(1, 65, 2, 16, 8, init=True, l2=True, lower_bound=None),
+                 id="B1-T65-H2-K16-V8-init-l2-softplus"),
     pytest.param(RecCase(2, 200, 2, 16, 16, init=True, l2=True), id="B2-T200-H2-K16-V16-init-l2"),
     pytest.param(RecCase(1, 200, 1, 32, 16, lower_bound=None), id="B1-T200-H1-K32-V16-softplus"),
     pytest.param(RecCase(1, 70, 2, 8, 8, init=True, chunk=16), id="B1-T70-H2-K8-V8-init-C16"),
@@ -151,7 +152,8 @@ def test_float32_chunked_at_lower_bound_for_whole_chunks(rng):
 
 
 def test_one_recurrent_step_by_hand():
-    """One step from a given state, written with scalar loops: S' = e^g S; S = S' + beta k (v - S'^T k)^T; o = S^T q s."""
+    """One step from a given state, written with scalar loops: S' = e^g S; S = S' + beta k (v - S'^T k)^T;
+    o = S^T q s."""
     rng = np.random.default_rng(7)
     K, V = 2, 3
     q, k, g = rng.standard_normal((3, K))
@@ -180,7 +182,7 @@ def test_prefill_core_equals_decode_core_steps(lower_bound, rng, monkeypatch):
     """The two cores over 70 tokens and 19 heads (blocks of 5 (sequence, head) rows in the decode core, the last
     one short)."""
     B, T, H, K, V = 2, 70, 19, 8, 6
-    monkeypatch.setattr(kda, "_DECODE_BLOCK_BYTES", 5 * K * V * 8)
+    monkeypatch.setattr(kda_fast, "DECODE_BLOCK_BYTES", 5 * K * V * 8)
     assert (B * H) % 5
     q, k, g_raw = 2.0 * rng.standard_normal((3, B, T, H, K))
     v, beta_raw = rng.standard_normal((B, T, H, V)), rng.standard_normal((B, T, H))
@@ -373,7 +375,10 @@ def test_layer_one_token_by_hand(rng):
     cfg, D = KdaConfig(2, 4), 6
     w, x = random_kda_weights(cfg, D, rng), rng.standard_normal(D)
     H, K, W = cfg.num_heads, cfg.head_dim, cfg.conv_size
-    silu = (lambda z: z / (1.0 + np.exp(-z)))
+
+    def silu(z):
+        return z / (1.0 + np.exp(-z))
+
     conv = {n: silu(w[f"{n}_conv1d.weight"][:, 0, W - 1] * (w[f"{n}_proj.weight"] @ x)) for n in "qkv"}
     g_raw = w["f_b_proj.weight"] @ (w["f_a_proj.weight"] @ x)
     beta = 1.0 / (1.0 + np.exp(-(w["b_proj.weight"] @ x)))
@@ -467,7 +472,7 @@ def test_cores_and_layer_do_not_mutate_inputs(rng):
     kda_decode_core(*[a[:, 0] if a.ndim in (3, 4) and a.shape[1] == T else a for a in core_args])
     kda_prefill(w, layer_X, state, cfg, _kda_cores())
     kda_decode_token(w, layer_X[:, 0], state, cfg, _kda_cores())
-    for a, b in zip(core_args + [layer_X], before):
+    for a, b in zip(core_args + [layer_X], before, strict=False):   # before also holds the state and weights
         np.testing.assert_array_equal(a, b)
     for f in dataclasses.fields(KdaState):
         np.testing.assert_array_equal(getattr(state, f.name), getattr(before[-2], f.name))
@@ -542,19 +547,24 @@ _W24 = random_kda_weights(_CFG24, 6, np.random.default_rng(0))
 BAD_OTHER = [
     pytest.param(lambda: kda_chunked(**_rec(), chunk_size=0), "chunk_size", id="chunk-0"),
     pytest.param(lambda: kda_gate(np.zeros((3, 2, 4)), np.zeros(3), np.zeros(8)), "A_log: expected", id="gate-A_log"),
-    pytest.param(lambda: kda_gate(np.zeros((3, 2, 4)), np.zeros(2), np.zeros(6)), "dt_bias: expected", id="gate-dt_bias"),
-    pytest.param(lambda: kda_gate(np.zeros((3, 2, 4)), np.zeros(2), np.zeros(8), 5.0), "lower_bound", id="gate-lb-positive"),
+    pytest.param(lambda: kda_gate(np.zeros((3, 2, 4)), np.zeros(2), np.zeros(6)), "dt_bias: expected",
+                 id="gate-dt_bias"),
+    pytest.param(lambda: kda_gate(np.zeros((3, 2, 4)), np.zeros(2), np.zeros(8), 5.0), "lower_bound",
+                 id="gate-lb-positive"),
     pytest.param(lambda: kda_gate(np.zeros(4), np.zeros(2), np.zeros(8)), "g_raw: expected", id="gate-rank"),
     pytest.param(lambda: short_conv(np.zeros((1, 3, 4)), np.zeros((5, 1, 4))), "weight: expected", id="conv-weight-C"),
-    pytest.param(lambda: short_conv(np.zeros((1, 3, 4)), np.zeros((4, 2, 4))), "weight: expected", id="conv-weight-mid"),
+    pytest.param(lambda: short_conv(np.zeros((1, 3, 4)), np.zeros((4, 2, 4))), "weight: expected",
+                 id="conv-weight-mid"),
     pytest.param(lambda: short_conv(np.zeros((1, 3, 4)), np.zeros((4, 4)), np.zeros((1, 4, 4))), "conv_state: expected",
                  id="conv-state-W"),
     pytest.param(lambda: short_conv(np.zeros((3, 4)), np.zeros((4, 4))), "x: expected rank 3", id="conv-x-rank"),
-    pytest.param(lambda: kda_decode_core(np.zeros((1, 2, 4)), np.zeros((1, 2, 4)), np.zeros((1, 2, 4)), np.zeros((1, 2, 4)),
-                                         np.zeros((1, 2)), np.zeros(2), np.zeros(8), np.zeros((1, 2, 4, 5))),
+    pytest.param(lambda: kda_decode_core(np.zeros((1, 2, 4)), np.zeros((1, 2, 4)), np.zeros((1, 2, 4)),
+                                         np.zeros((1, 2, 4)), np.zeros((1, 2)), np.zeros(2), np.zeros(8),
+                                         np.zeros((1, 2, 4, 5))),
                  "state: expected", id="decode-core-state"),
-    pytest.param(lambda: kda_decode_core(np.zeros((1, 2, 4)), np.zeros((1, 2, 3)), np.zeros((1, 2, 4)), np.zeros((1, 2, 4)),
-                                         np.zeros((1, 2)), np.zeros(2), np.zeros(8), np.zeros((1, 2, 4, 4))),
+    pytest.param(lambda: kda_decode_core(np.zeros((1, 2, 4)), np.zeros((1, 2, 3)), np.zeros((1, 2, 4)),
+                                         np.zeros((1, 2, 4)), np.zeros((1, 2)), np.zeros(2), np.zeros(8),
+                                         np.zeros((1, 2, 4, 4))),
                  "k: expected", id="decode-core-k"),
     pytest.param(lambda: kda_prefill_core(np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2, 4)),
                                           np.zeros((1, 3, 2, 4)), np.zeros((1, 3, 2)), np.zeros(2), np.zeros(8),
@@ -577,11 +587,13 @@ BAD_OTHER = [
     pytest.param(_layer_call(X=np.full((1, 3, 6), np.inf)), "X: expected finite", id="layer-X-inf"),
     pytest.param(_layer_call(weights=dict(_W24, **{"v_proj.weight": np.full((8, 6), np.nan)})),
                  r"v_proj.weight: expected finite values, found nan at index \(0, 0\)", id="layer-weight-nan"),
-    pytest.param(_layer_call(weights=dict(_W24, **{"o_proj.weight": np.where(np.eye(6, 8) > 0, np.inf, _W24["o_proj.weight"])})),
+    pytest.param(_layer_call(weights=dict(_W24, **{"o_proj.weight": np.where(np.eye(6, 8) > 0, np.inf,
+                                                                             _W24["o_proj.weight"])})),
                  r"o_proj.weight: expected finite values, found inf at index \(0, 0\)", id="layer-o_proj-inf"),
     pytest.param(_layer_call(weights=dict(_W24, **{"o_norm.weight": np.array([1.0, np.nan, 1.0, 1.0])})),
                  r"o_norm.weight: expected finite values", id="layer-o_norm-nan"),
-    pytest.param(_layer_call(weights=dict(_W24, **{"q_proj.weight": np.full((8, 6), 1e300)}), X=np.full((1, 3, 6), 1e10)),
+    pytest.param(_layer_call(weights=dict(_W24, **{"q_proj.weight": np.full((8, 6), 1e300)}),
+                             X=np.full((1, 3, 6), 1e10)),
                  r"q_proj.weight: expected finite outputs.*overflow in float64", id="layer-proj-overflow",
                  marks=pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")),
     pytest.param(lambda: l2norm(np.ones(3), eps=None), "eps: expected a finite float", id="l2norm-eps-None"),

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from k3ref import latent_moe as lm
+from k3ref import mxfp4
+from k3ref.cores import reference_cores
 from k3ref.mxfp4 import dequantize
 from tests.support.tolerances import elem, rel_rms, tol
 
@@ -25,7 +28,7 @@ def _cfg(**over) -> lm.LatentMoeConfig:
 
 def _route_reference(logits_row, bias, top_k, n_group=1, topk_group=1, renormalize=True, scaling=1.0):
     s = [1.0 / (1.0 + math.exp(-v)) for v in logits_row]
-    choice = [si + b for si, b in zip(s, bias)]
+    choice = [si + b for si, b in zip(s, bias, strict=True)]
     E = len(s)
     allowed = range(E)
     if n_group > 1:
@@ -154,7 +157,7 @@ def _rmsnorm_loop(v, w, eps):
 
 def _situ_glu_loop(g, u, beta, lin):
     return np.array([beta * math.tanh(a / beta) / (1 + math.exp(-a)) * lin * math.tanh(b / lin)
-                     for a, b in zip(g, u)])
+                     for a, b in zip(g, u, strict=True)])
 
 
 def _forward_dense(weights, x, cfg):
@@ -169,7 +172,7 @@ def _forward_dense(weights, x, cfg):
                                   cfg.topk_group, cfg.renormalize, cfg.routed_scaling_factor)
         z = f64["routed_expert_down_proj.weight"] @ row
         y_lat = np.zeros(cfg.latent_size)
-        for wk, e in zip(w, idx):
+        for wk, e in zip(w, idx, strict=True):
             h = _situ_glu_loop(W[e, "w1"] @ z, W[e, "w3"] @ z, cfg.situ_beta, cfg.linear_beta)
             y_lat += wk * (W[e, "w2"] @ h)
         if cfg.use_norm:
@@ -257,8 +260,6 @@ def test_forward_float32_tracks_float64(rng):
 
 
 def test_random_weights_bf16_runs_in_float32():
-    import ml_dtypes
-
     cfg = _cfg()
     r = np.random.default_rng(5)
     weights = lm.random_moe_weights(cfg, r, ml_dtypes.bfloat16)
@@ -298,9 +299,6 @@ def test_checked_once_experts_equal_the_swapped_core_path(T):
     """The reference core's checked-once gemv (for one token: every expert's w1, w3, w2 dequantised together)
     gives exactly what a swapped-in gemv (called per matrix, every call checked) gives; the swapped core sees
     all 3 matrices of every selected expert."""
-    from k3ref import mxfp4
-    from k3ref.cores import reference_cores
-
     cfg = _cfg(num_experts=8, top_k=3)
     r = np.random.default_rng(5)
     weights = lm.random_moe_weights(cfg, r, np.float64)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from k3ref import cores as cores_mod
 from k3ref import mla, ops
 from k3ref.cache import MlaKv
 from k3ref.cores import CORE_NAMES, Cores
@@ -95,7 +96,7 @@ def test_interleaved_sequences_of_different_lengths():
     for t, active in steps.items():
         active = active[::-1] if t % 2 else active
         rows = np.stack([X[s][len(Y[s])] for s in active])
-        for s, y in zip(active, mla.mla_decode_token(w, rows, cache, active, cfg, mla_cores())):
+        for s, y in zip(active, mla.mla_decode_token(w, rows, cache, active, cfg, mla_cores()), strict=True):
             Y[s].append(y)
         if t == 4:
             pages_of_C = set(cache.block_table([C])[0].tolist())
@@ -162,7 +163,6 @@ def test_decode_token_output_goes_through_the_core():
 
 
 def test_default_cores_match_explicit_reference():
-    from k3ref import cores as cores_mod
     ref = cores_mod.reference_cores()
     geo = Geo()
     cfg, w, rng = make(geo, 9)
@@ -425,7 +425,8 @@ def test_decode_token_names_an_overflowing_projection():
     cache = MlaKv(4, geo.page, cfg.cache_width, np.float32)
     sid = cache.add_sequence()
     with np.errstate(over="ignore"), \
-            pytest.raises(ValueError, match=r"weights\['g_proj.weight'\]: expected finite outputs.*overflow in float32"):
+            pytest.raises(ValueError,
+                          match=r"weights\['g_proj.weight'\]: expected finite outputs.*overflow in float32"):
         mla.mla_decode_token(w32, np.ones((1, geo.D), np.float32), cache, [sid], cfg, mla_cores())
     assert cache.seq_lens([sid]).tolist() == [0]
 

@@ -83,24 +83,24 @@ def test_situ_glu_computes_in_fp32_or_wider(rng, dtype, out_dtype):
 def _mlp_loop(x, w1, w3, w2, beta, lin):
     """y[t, d] = sum_i w2[d, i] situ_glu(sum_j w1[i, j] x[t, j], sum_j w3[i, j] x[t, j]), written out."""
     xs = x.reshape(-1, x.shape[-1])
-    I, D = w1.shape
+    Di, D = w1.shape
     out = np.zeros((xs.shape[0], D))
     for t, row in enumerate(xs):
         h = [_situ_glu_scalar(sum(w1[i, j] * row[j] for j in range(D)), sum(w3[i, j] * row[j] for j in range(D)),
-                              beta, lin) for i in range(I)]
-        out[t] = [sum(w2[d, i] * h[i] for i in range(I)) for d in range(D)]
+                              beta, lin) for i in range(Di)]
+        out[t] = [sum(w2[d, i] * h[i] for i in range(Di)) for d in range(D)]
     return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("batch, D, I", [
+@pytest.mark.parametrize("batch, D, Di", [
     pytest.param((1,), 7, 5, id="T1-D7-I5"),
     pytest.param((3,), 16, 33, id="T3-D16-I33"),
     pytest.param((2, 3), 9, 12, id="B2x3-D9-I12"),
 ])
-def test_situ_glu_vec_matches_loop(rng, batch, D, I):
+def test_situ_glu_vec_matches_loop(rng, batch, D, Di):
     x = rng.standard_normal(batch + (D,))
-    w1, w3 = rng.standard_normal((2, I, D))
-    w2 = rng.standard_normal((D, I)) / np.sqrt(I)
+    w1, w3 = rng.standard_normal((2, Di, D))
+    w2 = rng.standard_normal((D, Di)) / np.sqrt(Di)
     got = situ.situ_glu_vec(x, w1, w3, w2, beta=4.0, linear_beta=25.0)
     assert got.shape == x.shape and got.dtype == np.float64
     assert rel_rms(got, _mlp_loop(x, w1, w3, w2, 4.0, 25.0)) <= tol("fp64_same_math")

@@ -1,13 +1,16 @@
 """TpPlan: split kinds, axes and rank-local shapes; shard() against the algebra it must preserve; sizes."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from conformance.cli import main as cli_main
 from k3ref.config import K3Config
-from k3ref.tp import TpPlan
-from k3ref.weights import inventory, num_parameters
+from k3ref.tp import LoopbackGroup, TpPlan
+from k3ref.tp_weights import read_rank_shard, synthetic_rank_shard
+from k3ref.weights import CheckpointReader, inventory, num_parameters, synthetic_checkpoint, synthetic_weights
 
 L = "language_model.model.layers."
 TPS = [pytest.param(tp, id=f"tp{tp}") for tp in (1, 2, 4, 8)]
@@ -186,7 +189,7 @@ def k3_tp8() -> TpPlan:
 
 
 def test_k3_tp8_sizes(k3_tp8):
-    """Per-rank bytes re-derived by hand from DESIGN.md sections 2 and 7 (bf16 2 B, F32 4 B, U8 1 B)."""
+    """Per-rank bytes re-derived by hand from docs/spec.md sections 2 and 7 (bf16 2 B, F32 4 B, U8 1 B)."""
     D, V, H, K, tp = 7168, 163840, 96, 128, 8
     h = H // tp
     kda = (2 * (3 * h * K * D + K * D + h * K * K + h * D + h * K * D + D * h * K)
@@ -219,8 +222,6 @@ def test_cli_model_info(capsys):
 
 
 def test_a_rank_without_experts_is_refused():
-    import dataclasses
-
     cfg = dataclasses.replace(K3Config.preset("tiny"), n_routed_experts=3, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="leave rank 3 without an expert"):
         TpPlan(cfg, 4)          # chunks of 1: experts 0, 1, 2 and nothing for rank 3
@@ -229,9 +230,6 @@ def test_a_rank_without_experts_is_refused():
 
 @pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in (2, 4)])
 def test_synthetic_shard_is_the_slice_of_the_full_weights(tp):
-    from k3ref.tp_weights import synthetic_rank_shard
-    from k3ref.weights import synthetic_weights
-
     cfg = K3Config.preset("tiny")
     plan, full = TpPlan(cfg, tp), synthetic_weights(cfg, seed=5)
     for r in range(tp):
@@ -247,8 +245,6 @@ def test_synthetic_shard_is_the_slice_of_the_full_weights(tp):
 def test_read_shard_reads_only_the_slices(tmp_path, tp):
     """From a checkpoint directory a rank copies exactly its slices: the bytes counted are the plan's for that
     rank (less the A_log padding it fills with zeros), and every array equals the slice of the full tensor."""
-    from k3ref.tp_weights import read_rank_shard
-    from k3ref.weights import CheckpointReader, synthetic_checkpoint, synthetic_weights
 
     cfg = K3Config.preset("tiny")
     synthetic_checkpoint(cfg, 2, tmp_path, shard_bytes=1 << 16)
@@ -263,13 +259,12 @@ def test_read_shard_reads_only_the_slices(tmp_path, tp):
             np.testing.assert_array_equal(np.asarray(a, np.float64) if a.dtype != np.uint8 else a,
                                           plan.shard(n, full[n], r), err_msg=n)
     del entries[L + "1.block_sparse_moe.experts.6.w1.weight_scale"]
-    with pytest.raises(ValueError, match=rf"rank {tp - 1}: tensor .*experts\.6\.w1\.weight_scale of its shard is missing"):
+    with pytest.raises(ValueError,
+                       match=rf"rank {tp - 1}: tensor .*experts\.6\.w1\.weight_scale of its shard is missing"):
         read_rank_shard(plan, tp - 1, entries)
 
 
 def test_loopback_rank_that_raises_is_named_and_releases_the_others():
-    from k3ref.tp import LoopbackGroup
-
     def work(rank, comm):
         if rank == 1:
             raise ValueError("bad tensor")
@@ -280,8 +275,6 @@ def test_loopback_rank_that_raises_is_named_and_releases_the_others():
 
 
 def test_gather_vocab_uneven():
-    from k3ref.tp import LoopbackGroup
-
     plan = TpPlan(K3Config.preset("tiny"), 4)     # vocab 97 in rows of 25, 25, 25, 22
     full = np.arange(2 * 97, dtype=np.float64).reshape(2, 97)
 

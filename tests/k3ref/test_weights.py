@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -282,8 +284,6 @@ def test_cli_admit_corrupt_is_usage_error(tmp_path, tiny, capsys):
 def test_reader_decodes_bf16_in_a_fresh_interpreter(ckpt):
     """BF16 reads must not depend on someone else having imported ml_dtypes (this test module does; the CLI
     does not): safetensors' numpy loader needs numpy's 'bfloat16' dtype registered."""
-    import subprocess
-    import sys
 
     name = "language_model.model.norm.weight"
     code = ("import sys; from k3ref.weights import CheckpointReader; "
