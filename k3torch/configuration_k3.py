@@ -39,7 +39,7 @@ _LINEAR_ATTN = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class K3Config:
-    """The K3 text decoder's geometry (DESIGN.md section 2). Fields without a default are required."""
+    """The K3 text decoder's geometry (docs/spec.md section 2). Fields without a default are required."""
 
     vocab_size: int
     hidden_size: int
@@ -81,12 +81,12 @@ class K3Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_attn_layers", tuple(int(i) for i in self.full_attn_layers))
-        if self.a_log_size is None:
-            object.__setattr__(self, "a_log_size", max(128, self.kda_num_heads))
+        a_log_size = max(128, self.kda_num_heads) if self.a_log_size is None else self.a_log_size
+        object.__setattr__(self, "a_log_size", a_log_size)
         bad = [i for i in self.full_attn_layers if not 1 <= i <= self.num_hidden_layers]
         if bad:
             raise ValueError(f"config: full_attn_layers {bad} out of range 1..{self.num_hidden_layers} (1-indexed)")
-        if self.a_log_size < self.kda_num_heads:
+        if a_log_size < self.kda_num_heads:
             raise ValueError(f"config: a_log_size={self.a_log_size} is smaller than kda_num_heads="
                              f"{self.kda_num_heads}")
         for name in ("routed_expert_hidden_size", "moe_intermediate_size"):
@@ -95,6 +95,11 @@ class K3Config:
         if self.n_routed_experts % self.n_group:
             raise ValueError(f"config: n_routed_experts={self.n_routed_experts} is not divisible by "
                              f"n_group={self.n_group}")
+
+    @property
+    def stored_a_log_size(self) -> int:
+        """A_log's length in the checkpoint: `a_log_size` as __post_init__ resolved it (never None)."""
+        return self.a_log_size or max(128, self.kda_num_heads)
 
     def is_mla(self, layer: int) -> bool:
         """0-indexed layer `layer` is MLA iff layer + 1 is in full_attn_layers."""

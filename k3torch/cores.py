@@ -1,6 +1,6 @@
 """PyTorch cores: a second, independent implementation of every math core of docs/interfaces.md.
 
-Written from DESIGN.md section 3, not from k3ref, so that agreement between the two catches a bug in
+Written from docs/spec.md section 3, not from k3ref, so that agreement between the two catches a bug in
 either. Numpy in, numpy out (float64 out for float64 cores, float32 otherwise); inside, tensors live on
 `device`. Three precisions (see docs/torch_baseline.md for the full table):
 
@@ -12,10 +12,11 @@ either. Numpy in, numpy out (float64 out for float64 cores, float32 otherwise); 
   stores as bf16 activations are rounded to bf16 on the way out. TF32 (if a user enables it on CUDA) keeps
   bf16 operands exact, but would degrade the float32 cores: leave torch.backends.cuda.matmul.allow_tf32 off.
 
-Each core is a `TorchCore`: `prepare(*args, **kwargs)` validates the numpy inputs (k3ref.checks) and
+Each core is a `TorchCore`: `prepare(*args, **kwargs)` validates the numpy inputs (k3torch.checks) and
 moves them to the device once, `compute(**prepared)` is the pure torch math (what the backend times), and
 calling the core does both and returns numpy. Private keyword knobs (`_l2_eps`, `_bias_in_weights`,
-`_high_nibble_first`) exist only to build deliberately wrong cores for the mutation tests.
+`_high_nibble_first`) exist only to build deliberately wrong cores for the mutation tests. `all_cores` gives
+every core by name; the judge's torch backend (conformance.backends.pytorch) bundles them with its own parts.
 """
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from k3ref.checks import as_float, check_shape, require
-from k3ref.mla import check_decode_args
+from k3torch.checks import as_float, check_mla_decode_args, check_shape, require
 
-KDA_L2_EPS = 1e-6          # DESIGN.md: eps inside the sqrt of the q/k L2 norm
+KDA_L2_EPS = 1e-6          # docs/spec.md section 3.1: eps inside the sqrt of the q/k L2 norm
 KDA_CHUNK = 64             # chunk length of the WY/UT prefill form
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_NAN = 255             # OCP MX v1.0: the E8M0 code that means NaN
@@ -330,7 +330,7 @@ def kda_prefill(p: Precision, q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *
 def _prep_mla_decode(p: Precision, q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank) -> dict:
     q_abs, kv_cache = np.asarray(q_abs), np.asarray(kv_cache)
     bt, sl = np.asarray(block_table), np.asarray(seq_lens)
-    check_decode_args(q_abs, kv_cache, bt, sl, scale=scale, kv_rank=kv_rank)     # the reference core's own rules
+    check_mla_decode_args(q_abs, kv_cache, bt, sl, scale=scale, kv_rank=kv_rank)
     # Slots past seq_lens are never read, so they may hold anything (NaN poison included).
     cache = p.round(torch.from_numpy(as_float("kv_cache", kv_cache, allow_nan=True)).to(p.device, p.compute))
     return dict(q_abs=p.act("q_abs", q_abs), kv_cache=cache,
@@ -492,7 +492,7 @@ def attnres_mix(p: Precision, sources, proj_w, norm_w, mix, eps) -> torch.Tensor
 # assembly
 # ---------------------------------------------------------------------------------------------------
 
-_CORES = {
+_CORES: dict[str, tuple[Callable[..., dict], Callable[..., Any]]] = {
     "rmsnorm": (_prep_rmsnorm, rmsnorm),
     "situ_glu": (_prep_situ_glu, situ_glu),
     "kda_decode": (_prep_kda_decode, kda_decode),
@@ -502,10 +502,11 @@ _CORES = {
     "moe_route": (_prep_moe_route, moe_route),
     "attnres_mix": (_prep_attnres_mix, attnres_mix),
 }
-TIMEABLE = tuple(_CORES)
+TIMEABLE = tuple(_CORES)     # every core here is math: each can be timed on device-resident inputs
 
 
-def torch_core(name: str, dtype: torch.dtype = torch.float64, device="cpu", **knobs) -> TorchCore:
+def torch_core(name: str, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu",
+               **knobs: Any) -> TorchCore:
     """One core by name; `knobs` are the private keyword arguments of its compute function (mutants)."""
     if name not in _CORES:
         raise ValueError(f"core: expected one of {sorted(_CORES)}, found {name!r}")
@@ -513,28 +514,17 @@ def torch_core(name: str, dtype: torch.dtype = torch.float64, device="cpu", **kn
     return TorchCore(name, prep, compute, _precision(dtype, device), **knobs)
 
 
-def _precision(dtype, device) -> Precision:
+def all_cores(dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> dict[str, TorchCore]:
+    """Every core of this module by its docs/interfaces.md name, at one precision on one device."""
+    p = _precision(dtype, device)
+    return {name: TorchCore(name, prep, compute, p) for name, (prep, compute) in _CORES.items()}
+
+
+def _precision(dtype: torch.dtype, device: str | torch.device) -> Precision:
     if dtype not in (torch.float64, torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: expected torch.float64, torch.float32 or torch.bfloat16, found {dtype}")
     return Precision(dtype, torch.device(device))
 
 
-def torch_cores(dtype: torch.dtype = torch.float64, device="cpu", base=None):
-    """All cores of docs/interfaces.md in PyTorch (`k3ref.cores.Cores`); `attnres_hub` comes from `base`
-    (default `k3ref.cores.reference_cores()`, resolved on first use so this works before every reference
-    module exists)."""
-    from k3ref.cores import Cores
-
-    p = _precision(dtype, device)
-
-    def attnres_hub(block_size):
-        from k3ref.cores import reference_cores
-
-        return (base if base is not None else reference_cores()).attnres_hub(block_size)
-
-    made = {name: TorchCore(name, prep, compute, p) for name, (prep, compute) in _CORES.items()}
-    return Cores(attnres_hub=attnres_hub, **made)
-
-
 __all__ = ["KDA_L2_EPS", "KDA_CHUNK", "E2M1_VALUES", "Precision", "TorchCore", "TIMEABLE", "torch_core",
-           "torch_cores", "mxfp4_dequantize"]
+           "all_cores", "mxfp4_dequantize"]

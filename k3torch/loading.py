@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from torch import nn
 
 TEXT_PREFIX = "language_model."
@@ -32,8 +33,6 @@ def checkpoint_files(path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         files = {name: path / shard for name, shard in weight_map.items()}
     elif (path / "model.safetensors").is_file():
-        from safetensors import safe_open
-
         with safe_open(path / "model.safetensors", framework="pt") as f:
             files = {name: path / "model.safetensors" for name in f.keys()}
     else:
@@ -46,8 +45,6 @@ def checkpoint_files(path) -> dict[str, Path]:
 
 def read_checkpoint(path) -> dict[str, torch.Tensor]:
     """Every text tensor of the checkpoint as stored (bf16, float32, uint8), one safe_open read each."""
-    from safetensors import safe_open
-
     by_shard: dict[Path, list[str]] = {}
     for name, shard in checkpoint_files(path).items():
         if name.startswith(TEXT_PREFIX):
@@ -60,15 +57,16 @@ def read_checkpoint(path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_weights(model: nn.Module, tensors: Mapping[str, object], where: str = "weights") -> None:
+def load_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor | np.ndarray], where: str = "weights") -> None:
     """Copy `tensors` (torch tensors or numpy arrays, full checkpoint names) into `model`, strictly.
 
     Float tensors are converted to each parameter's dtype; U8 (MXFP4 bytes and scales) must stay U8.
     Raises CheckpointMismatch naming every missing, extra, misshaped or mistyped tensor."""
     own = model.state_dict()
-    state, problems = {}, []
-    for name, t in tensors.items():
-        t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+    state: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for name, given in tensors.items():
+        t = torch.from_numpy(np.ascontiguousarray(given)) if isinstance(given, np.ndarray) else given
         if name in own and (t.dtype == torch.uint8) != (own[name].dtype == torch.uint8):
             problems.append(f"{name}: expected {own[name].dtype}, found {t.dtype}")
         state[name] = t

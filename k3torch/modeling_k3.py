@@ -1,4 +1,4 @@
-"""PyTorch Kimi K3 text decoder, written from DESIGN.md sections 2, 3 and 7 alone.
+"""PyTorch Kimi K3 text decoder, written from docs/spec.md sections 2, 3 and 7 alone.
 
 This is the second form of the host graph's wiring (which weight feeds which step, which norm sits where,
 how the AttnRes queries are chosen, how kv_b splits per head): it shares no code with k3ref, so agreement
@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3torch.configuration_k3 import K3Config
+from k3torch.loading import load_checkpoint
 
 MLA_NORM_EPS = 1e-6        # q_a_layernorm / kv_a_layernorm; every other RMSNorm uses config.rms_norm_eps
 KDA_L2_EPS = 1e-6          # inside the sqrt of the q/k L2 norm
@@ -36,7 +38,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 @dataclasses.dataclass(frozen=True)
 class Wiring:
-    """Readings of the wiring; the defaults are DESIGN.md's. Each other value is a known wrong reading."""
+    """Readings of the wiring; the defaults are docs/spec.md's. Each other value is a known wrong reading."""
 
     mla_gate: str = "sigmoid"                 # "silu": the MLA output gate as SiLU
     kda_gate_input_silu: bool = False         # SiLU applied to the f_a_proj output inside the KDA gate
@@ -115,7 +117,7 @@ class AttnResState:
     """The per-token state across depth: completed block sums and the running prefix ([B, T, D] each)."""
 
     blocks: list[torch.Tensor]
-    prefix: torch.Tensor | None
+    prefix: torch.Tensor
 
 
 def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: K3RMSNorm, eps: float) -> torch.Tensor:
@@ -148,10 +150,13 @@ class MlaLayerCache:
     rows: torch.Tensor
 
 
+LayerCache = KdaLayerCache | MlaLayerCache
+
+
 class K3Cache:
     """One entry per layer (KdaLayerCache or MlaLayerCache) and the number of tokens seen."""
 
-    def __init__(self, layers: list, seen_tokens: int = 0):
+    def __init__(self, layers: list[LayerCache], seen_tokens: int = 0):
         self.layers, self.seen_tokens = layers, seen_tokens
 
 
@@ -163,6 +168,14 @@ class K3Cache:
 class K3KimiDeltaAttention(nn.Module):
     """Kimi Delta Attention with a short causal conv and a recurrent [K, V] state per head."""
 
+    # made by name in a loop in __init__ (one per stream)
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    q_conv1d: nn.Conv1d
+    k_conv1d: nn.Conv1d
+    v_conv1d: nn.Conv1d
+
     def __init__(self, config: K3Config, dtype: torch.dtype, device=None, wiring: Wiring = CORRECT):
         super().__init__()
         D, H, K, W = config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
@@ -173,7 +186,7 @@ class K3KimiDeltaAttention(nn.Module):
             conv = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False, dtype=wide, device=device)
             conv.weight.requires_grad_(False)
             setattr(self, f"{x}_conv1d", conv)
-        self.A_log = nn.Parameter(torch.zeros(config.a_log_size, dtype=wide, device=device), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(config.stored_a_log_size, dtype=wide, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=wide, device=device), requires_grad=False)
         self.f_a_proj = _linear(D, K, dtype, device)
         self.f_b_proj = _linear(K, H * K, dtype, device)
@@ -346,6 +359,9 @@ class K3MxFp4Linear(nn.Module):
     """A routed-expert matrix as the checkpoint holds it: `weight_packed` U8 [out, in/2], `weight_scale` U8
     [out, in/32]; decoded on use."""
 
+    weight_packed: torch.Tensor           # buffers, registered in __init__
+    weight_scale: torch.Tensor
+
     def __init__(self, n_in: int, n_out: int, device=None):
         super().__init__()
         self.register_buffer("weight_packed", torch.zeros(n_out, n_in // 2, dtype=torch.uint8, device=device))
@@ -361,11 +377,11 @@ class K3Expert(nn.Module):
 
     def __init__(self, config: K3Config, dtype: torch.dtype, device=None):
         super().__init__()
-        L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
+        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
         self.beta, self.linear_beta, self.dtype = config.situ_beta, config.situ_linear_beta, dtype
-        self.w1 = K3MxFp4Linear(L, I, device)
-        self.w2 = K3MxFp4Linear(I, L, device)
-        self.w3 = K3MxFp4Linear(L, I, device)
+        self.w1 = K3MxFp4Linear(latent, inner, device)
+        self.w2 = K3MxFp4Linear(inner, latent, device)
+        self.w3 = K3MxFp4Linear(latent, inner, device)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = situ(linear(z, self.w1.weight(self.dtype)), self.beta) * softcap(linear(z, self.w3.weight(self.dtype)),
@@ -399,8 +415,8 @@ class K3Router(nn.Module):
                                                     requires_grad=False)
         self.forced: ForcedRoute | None = None
 
-    def _override(self, idx: torch.Tensor) -> torch.Tensor:
-        f = self.forced
+    @staticmethod
+    def _override(idx: torch.Tensor, f: ForcedRoute) -> torch.Tensor:
         if f.experts.shape != idx.shape or f.rows.shape != idx.shape[:1]:
             raise ValueError(f"K3Router.forced: expected experts {list(idx.shape)} and rows [{idx.shape[0]}] "
                              f"(tokens x num_experts_per_tok), found {list(f.experts.shape)} and {list(f.rows.shape)}")
@@ -419,7 +435,7 @@ class K3Router(nn.Module):
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).reshape(x.shape[0], -1)
         idx = torch.topk(choice, c.num_experts_per_tok, dim=-1).indices
         if self.forced is not None:
-            idx = self._override(idx)
+            idx = self._override(idx, self.forced)
         w = torch.gather(s, 1, idx)
         if c.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -486,6 +502,10 @@ class K3DecoderLayer(nn.Module):
         else:
             self.block_sparse_moe = K3LatentMoE(config, dtype, device)
 
+    def moe(self) -> K3LatentMoE | None:
+        """The layer's LatentMoE (its router takes forced choices), or None for a dense layer."""
+        return None if self.config.is_dense(self.layer_idx) else self.block_sparse_moe
+
     def forward(self, state: AttnResState, cache, record: dict | None = None) -> AttnResState:
         """Runs the layer on `state` (mutated and returned) and its cache entry; `record` (if given) receives
         h, x_mixer, a, m, x_mlp, f in compute order."""
@@ -496,16 +516,17 @@ class K3DecoderLayer(nn.Module):
             attn_q, mlp_q = mlp_q, attn_q
         rec = record if record is not None else {}
         rec["h"] = state.prefix if not state.blocks else attn_res(state.blocks + [state.prefix], *attn_q, eps)
-        if self.layer_idx % self.config.attn_res_block_size == 0:
+        starts_block = self.layer_idx % self.config.attn_res_block_size == 0
+        if starts_block:                  # the running sum becomes a completed block; this layer opens the next
             state.blocks.append(state.prefix)
-            state.prefix = None
         rec["x_mixer"] = self.input_layernorm(rec["h"])
         rec["a"] = self.self_attn(rec["x_mixer"], cache)
-        state.prefix = rec["a"] if state.prefix is None else state.prefix + rec["a"]
+        state.prefix = rec["a"] if starts_block else state.prefix + rec["a"]
         rec["m"] = attn_res(state.blocks + [state.prefix], *mlp_q, eps)
         post = self.input_layernorm if w.post_norm_is_input_norm else self.post_attention_layernorm
         rec["x_mlp"] = post(rec["m"])
-        rec["f"] = (self.mlp if hasattr(self, "mlp") else self.block_sparse_moe)(rec["x_mlp"])
+        moe = self.moe()
+        rec["f"] = (self.mlp if moe is None else moe)(rec["x_mlp"])
         state.prefix = state.prefix + rec["f"]
         return state
 
@@ -524,6 +545,10 @@ class K3Model(nn.Module):
         self.norm = K3RMSNorm(D, config.rms_norm_eps, dtype, device)
         self.output_attn_res_norm = K3RMSNorm(D, config.rms_norm_eps, dtype, device)
         self.output_attn_res_proj = _linear(D, 1, dtype, device)
+
+    def decoder_layers(self) -> list[K3DecoderLayer]:
+        """The layers in order, as their own type (iterating the ModuleList gives plain Modules)."""
+        return [typing.cast(K3DecoderLayer, layer) for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> AttnResState:
         """The state before layer 0: no blocks, prefix = the embeddings [B, T, D] (wide)."""
@@ -578,8 +603,6 @@ class K3ForCausalLM(nn.Module):
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device=None,
                         wiring: Wiring = CORRECT) -> K3ForCausalLM:
         """Config from `path`/config.json, weights from the safetensors shards (strict names and shapes)."""
-        from k3torch.loading import load_checkpoint
-
         model = cls(K3Config.from_json(path), dtype, device, wiring)
         load_checkpoint(model, path)
         return model
@@ -590,8 +613,8 @@ class K3ForCausalLM(nn.Module):
 
     def new_cache(self, batch: int = 1) -> K3Cache:
         wide = wide_dtype(self.dtype)
-        layers = []
-        for layer in self.language_model.model.layers:
+        layers: list[LayerCache] = []
+        for layer in self.language_model.model.decoder_layers():
             if isinstance(layer.self_attn, K3GatedMLA):
                 layers.append(layer.self_attn.empty_cache(batch, self.dtype if self.dtype == torch.bfloat16
                                                           else wide, self.device))

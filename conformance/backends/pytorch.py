@@ -1,26 +1,47 @@
 """The PyTorch baseline backends: "torch" (eager fp32), "torch-bf16" (the bf16 baseline of the gate table)
 and "torch64" (float64, for agreement tests against k3ref).
 
-Each implements the Backend protocol of docs/interfaces.md. Importing this module never needs torch:
-`available()` says why not when it is missing. The device is CUDA when torch sees a GPU, else the CPU
-(override with `make_backend(name, device=...)` or K3CONF_TORCH_DEVICE).
+Each implements the Backend protocol of docs/interfaces.md with k3torch's cores (`torch_cores` bundles them
+with k3ref's AttnRes hub into a `k3ref.cores.Cores`). Importing this module never needs torch: `available()`
+says why not when it is missing. The device is CUDA when torch sees a GPU, else the CPU (override with
+`make_backend(name, device=...)` or K3CONF_TORCH_DEVICE).
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from conformance.backends.protocol import BackendBase
+from k3ref.cores import Cores, reference_cores
+
+if TYPE_CHECKING:
+    import torch
+
+    from k3torch.cores import TorchCore
 
 PRECISIONS = {"torch": "fp32", "torch-bf16": "bf16", "torch64": "fp64"}
 _DTYPE_NAMES = {"torch": "float32", "torch-bf16": "bfloat16", "torch64": "float64"}
 INSTALL_HINT = "pip install 'k3-conformance[torch]' (or `make setup`, which installs the CPU build)"
 
 
-class TorchBackend:
+def torch_cores(dtype: torch.dtype, device: str | torch.device = "cpu", base: Cores | None = None) -> Cores:
+    """Every math core from k3torch at one dtype on one device, as a `Cores` bundle; `attnres_hub` (the
+    AttnRes bookkeeping, not math) comes from `base` (default: k3ref's reference cores)."""
+    from k3torch.cores import all_cores  # noqa: PLC0415 -- optional: k3torch needs torch
+
+    return Cores(attnres_hub=(reference_cores() if base is None else base).attnres_hub, **all_cores(dtype, device))
+
+
+class TorchBackend(BackendBase):
     """Cores from k3torch.cores at one dtype on one device.
 
     name: "torch" | "torch-bf16" | "torch64"; precision: "fp32" | "bf16" | "fp64";
     warmup / repeats: untimed and timed calls of `time_core` (median reported).
+    `torch_device` is where the cores run; `device` stays BackendBase's "cpu" (it must answer without torch, and
+    torch runs on the CPU wherever no GPU is seen, so K3_STRICT's excuse for accelerator backends does not apply).
     """
 
     def __init__(self, name: str, device: str | None = None, warmup: int = 2, repeats: int = 7):
@@ -29,49 +50,58 @@ class TorchBackend:
         self.name, self.precision = name, PRECISIONS[name]
         self.warmup, self.repeats = warmup, repeats
         self._device = device or os.environ.get("K3CONF_TORCH_DEVICE")
-        self._cores = None
+        self._cores: dict[str, TorchCore] | None = None
+        self._bundle: Cores | None = None
         self._copy_bw: float | None = None
 
     def __repr__(self) -> str:
-        return f"TorchBackend({self.name!r}, device={self.device if self.available()[0] else None!r})"
+        return f"TorchBackend({self.name!r}, device={self.torch_device if self.available()[0] else None!r})"
 
     def available(self) -> tuple[bool, str]:
         """(True, "torch X on DEVICE") or (False, why): torch missing, or a CUDA device asked for but absent."""
         try:
-            import torch
+            import torch  # noqa: PLC0415 -- optional: this module imports without torch
         except ImportError as e:
             return False, f"PyTorch is not installed ({e}); {INSTALL_HINT}"
         try:
-            self.device
+            device = self.torch_device
         except RuntimeError as e:   # torch.device() of a bad string, e.g. K3CONF_TORCH_DEVICE=gpu
-            return False, f"device {self._device!r} is not a torch device ({str(e).splitlines()[0]}); use cpu or cuda[:N]"
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            return False, f"device {self.device} asked for, but torch {torch.__version__} sees no CUDA GPU"
-        return True, f"torch {torch.__version__} {_DTYPE_NAMES[self.name]} on {self.device}"
+            first = str(e).splitlines()[0]
+            return False, f"device {self._device!r} is not a torch device ({first}); use cpu or cuda[:N]"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return False, f"device {device} asked for, but torch {torch.__version__} sees no CUDA GPU"
+        return True, f"torch {torch.__version__} {_DTYPE_NAMES[self.name]} on {device}"
 
     @property
-    def device(self):
-        import torch
+    def torch_device(self) -> torch.device:
+        """The torch device of the cores: as asked for, else CUDA when torch sees a GPU, else the CPU."""
+        import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
         if self._device is None:
             self._device = "cuda" if torch.cuda.is_available() else "cpu"
         return torch.device(self._device)
 
     @property
-    def dtype(self):
-        import torch
+    def dtype(self) -> torch.dtype:
+        import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
         return getattr(torch, _DTYPE_NAMES[self.name])
 
-    def cores(self):
-        """k3ref.cores.Cores whose math cores are torch (numpy in, numpy out)."""
+    def cores(self) -> Cores:
+        """k3ref.cores.Cores whose math cores are torch (numpy in, numpy out), made once."""
+        if self._bundle is None:
+            self._bundle = Cores(attnres_hub=reference_cores().attnres_hub, **self._torch_cores())
+        return self._bundle
+
+    def _torch_cores(self) -> dict[str, TorchCore]:
+        """k3torch's cores at this backend's dtype and device, made once."""
         ok, why = self.available()
         if not ok:
             raise RuntimeError(f"backend {self.name} is unavailable: {why}")
         if self._cores is None:
-            from k3torch.cores import torch_cores
+            from k3torch.cores import all_cores  # noqa: PLC0415 -- optional: k3torch needs torch
 
-            self._cores = torch_cores(self.dtype, self.device)
+            self._cores = all_cores(self.dtype, self.torch_device)
         return self._cores
 
     def time_core(self, core: str, inputs: dict) -> float | None:
@@ -79,11 +109,9 @@ class TorchBackend:
         arguments as numpy). Inputs move to the device once, outside the timed region; `warmup` untimed calls
         first; on CUDA each call is bracketed by events and synchronised. None for cores that are not math
         (attnres_hub)."""
-        from k3torch.cores import TIMEABLE
-
-        if core not in TIMEABLE:
+        fn = self._torch_cores().get(core)
+        if fn is None:
             return None
-        fn = getattr(self.cores(), core)
         prepared = fn.prepare(**inputs)
         return self._median_seconds(lambda: fn.compute(**prepared))
 
@@ -91,21 +119,21 @@ class TorchBackend:
         """Bytes/s of a large device copy (read + written both counted), median of `repeats`; cached.
         Default size: 64 MiB on the CPU (well past the caches), 1 GiB on a GPU."""
         if self._copy_bw is None:
-            import torch
+            import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
-            nbytes = nbytes or (1 << 30 if self.device.type == "cuda" else 64 << 20)
-            src = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+            nbytes = nbytes or (1 << 30 if self.torch_device.type == "cuda" else 64 << 20)
+            src = torch.ones(nbytes, dtype=torch.uint8, device=self.torch_device)
             dst = torch.empty_like(src)
             self._copy_bw = 2 * nbytes / self._median_seconds(lambda: dst.copy_(src))
         return self._copy_bw
 
-    def _median_seconds(self, fn) -> float:
-        import torch
+    def _median_seconds(self, fn: Callable[[], Any]) -> float:
+        import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
         for _ in range(self.warmup):
             fn()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
             times = []
             for _ in range(self.repeats):
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -129,4 +157,4 @@ def make_backend(name: str, device: str | None = None) -> TorchBackend:
     return TorchBackend(name, device=device)
 
 
-__all__ = ["PRECISIONS", "TorchBackend", "make_backend"]
+__all__ = ["PRECISIONS", "TorchBackend", "make_backend", "torch_cores"]

@@ -1,6 +1,6 @@
 """The PyTorch baseline (conformance.backends): agreement with k3ref, bf16/fp32 error budgets, mutants.
 
-The torch cores are a second implementation written from DESIGN.md; in float64 they must agree with the
+The torch cores are a second implementation written from docs/spec.md; in float64 they must agree with the
 k3ref cores to rounding on fresh random inputs. In bf16 and fp32 their error against the float64 reference is
 measured and capped (the caps below are data: measured value and reason). A deliberately wrong torch core
 must fail the same agreement comparison, which shows the comparison can catch each mistake.
@@ -21,10 +21,15 @@ from tests.support.strict import import_or_skip  # noqa: E402
 
 torch = import_or_skip("torch")
 
+from conformance.backends import builtin  # noqa: E402
 from conformance.backends import pytorch as torch_backend  # noqa: E402
+from conformance.backends.pytorch import torch_cores  # noqa: E402
+from k3ref import checks as ref_checks  # noqa: E402
 from k3ref.cache import paged_latent_cache  # noqa: E402
 from k3ref.cores import reference_cores  # noqa: E402
-from k3torch.cores import torch_core, torch_cores  # noqa: E402
+from k3ref.mla import check_decode_args  # noqa: E402
+from k3torch import checks  # noqa: E402
+from k3torch.cores import torch_core  # noqa: E402
 from tests.support.tolerances import rel_rms  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -81,9 +86,9 @@ def make_rmsnorm(rng, lead=(3,), D=203):
     return dict(x=rng.normal(size=lead + (D,)) * 2.0, w=1 + 0.1 * rng.normal(size=D), eps=1e-5)
 
 
-def make_situ_glu(rng, lead=(2,), I=113):
+def make_situ_glu(rng, lead=(2,), width=113):
     # gate spans the softcap-4 knee, up the softcap-25 knee.
-    return dict(gate=rng.normal(size=lead + (I,)) * 5.0, up=rng.normal(size=lead + (I,)) * 30.0)
+    return dict(gate=rng.normal(size=lead + (width,)) * 5.0, up=rng.normal(size=lead + (width,)) * 30.0)
 
 
 def _kda_tensors(rng, lead, H, K, V, tiny_head):
@@ -151,7 +156,7 @@ AGREEMENT_CASES = [
     case("rmsnorm", "L2x1-D7168", 1, lead=(2, 1), D=7168),
     case("rmsnorm", "D1", 2, lead=(), D=1),
     case("situ_glu", "L2-I113"),
-    case("situ_glu", "L1x3-I33", 1, lead=(1, 3), I=33),
+    case("situ_glu", "L1x3-I33", 1, lead=(1, 3), width=33),
     case("kda_decode", "B2-H3-K16-V12"),
     case("kda_decode", "B1-H1-K128-V128", 1, B=1, H=1, K=128, V=128, tiny_head=False),
     case("kda_decode", "B3-H2-K8-V5-softplus", 2, B=3, H=2, K=8, V=5, lower_bound=None),
@@ -353,6 +358,71 @@ def test_bad_input_raises_naming_the_argument(core, spoil, name):
         torch_core(core)(**inputs)
 
 
+# k3torch keeps its own copy of the input rules (it imports nothing of k3ref): the same argument must get the
+# same answer from both, and a bad one the same message word for word.
+CHECK_CALLS = [
+    pytest.param("as_float", ("x", np.array([1, 2], dtype=complex)), {}, id="as_float-complex"),
+    pytest.param("as_float", ("x", np.array([[0.0, np.inf]])), {}, id="as_float-inf"),
+    pytest.param("as_float", ("x", np.array([np.nan, 2.0])), {"allow_nan": True}, id="as_float-nan-allowed"),
+    pytest.param("as_float", ("x", np.array([1, 2], dtype=np.int16)), {}, id="as_float-int-widened"),
+    pytest.param("check_shape", ("q", np.zeros((2, 3)), ("B", "T", "H")), {}, id="check_shape-rank"),
+    pytest.param("check_shape", ("q", np.zeros((2, 3)), ("B", "B")), {}, id="check_shape-named"),
+    pytest.param("check_shape", ("w", np.zeros(5), (4,)), {}, id="check_shape-exact"),
+    pytest.param("check_shape", ("v", np.zeros((2, 3, 4)), (2, None, "V")), {}, id="check_shape-fits"),
+    pytest.param("require", (False, "top_k: expected 1..8, found 9"), {}, id="require"),
+]
+
+
+def _answer(fn: Callable, *args, **kwargs) -> tuple[str, object]:
+    try:
+        return "returned", fn(*args, **kwargs)
+    except ValueError as e:
+        return "ValueError", str(e)
+
+
+@pytest.mark.parametrize("check, args, kwargs", CHECK_CALLS)
+def test_input_checks_answer_as_the_reference_checks_do(check, args, kwargs):
+    mine = _answer(getattr(checks, check), *args, **kwargs)
+    ref = _answer(getattr(ref_checks, check), *args, **kwargs)
+    assert mine[0] == ref[0], f"{check}: k3torch {mine}, k3ref {ref}"
+    if mine[0] == "ValueError":
+        assert mine[1] == ref[1]
+    else:
+        assert np.array_equal(np.asarray(mine[1]), np.asarray(ref[1]), equal_nan=True)
+        assert np.asarray(mine[1]).dtype == np.asarray(ref[1]).dtype
+
+
+def _poison_a_used_row(d):
+    cache = d["kv_cache"].copy()
+    cache[d["block_table"][0, 0], 0, 0] = np.nan
+    return {**d, "kv_cache": cache}
+
+
+MLA_SPOILS = [
+    pytest.param(lambda d: d, id="valid"),
+    pytest.param(lambda d: {**d, "seq_lens": d["seq_lens"] + 1000}, id="seq-too-long"),
+    pytest.param(lambda d: {**d, "block_table": np.full_like(d["block_table"], 99)}, id="page-out-of-pool"),
+    pytest.param(lambda d: {**d, "block_table": d["block_table"].astype(float)}, id="block-table-float"),
+    pytest.param(lambda d: {**d, "seq_lens": d["seq_lens"][:1]}, id="seq-lens-length"),
+    pytest.param(lambda d: {**d, "q_abs": d["q_abs"][0]}, id="q-rank"),
+    pytest.param(lambda d: {**d, "kv_cache": d["kv_cache"][..., :-1]}, id="cache-width"),
+    pytest.param(lambda d: {**d, "kv_rank": 0}, id="kv-rank-0"),
+    pytest.param(lambda d: {**d, "scale": -1.0}, id="scale-negative"),
+    pytest.param(_poison_a_used_row, id="nan-in-a-used-row"),
+]
+
+
+@pytest.mark.parametrize("spoil", MLA_SPOILS)
+def test_mla_decode_checks_answer_as_the_reference_checks_do(spoil):
+    d = spoil(make_mla_decode(np.random.default_rng(8)))
+    args = (d["q_abs"], d["kv_cache"], np.asarray(d["block_table"]), np.asarray(d["seq_lens"]))
+    mine = _answer(checks.check_mla_decode_args, *args, scale=d["scale"], kv_rank=d["kv_rank"])
+    ref = _answer(check_decode_args, *args, scale=d["scale"], kv_rank=d["kv_rank"])
+    assert mine[0] == ref[0], f"k3torch {mine}, k3ref {ref}"
+    if mine[0] == "ValueError":
+        assert mine[1] == ref[1]
+
+
 def test_unknown_dtype_and_core_raise():
     with pytest.raises(ValueError, match="dtype"):
         torch_cores(torch.float16)
@@ -407,18 +477,18 @@ def test_backend_unknown_name_and_missing_gpu():
 
 
 def test_attnres_hub_comes_from_base():
-    base = torch_cores()  # any Cores works as a base; its hub factory is a marker here
+    base = reference_cores()  # any Cores works as a base; its hub factory is a marker here
     marker = object()
-    cores = torch_cores(base=dataclasses.replace(base, attnres_hub=lambda block_size: (marker, block_size)))
+    cores = torch_cores(torch.float64, base=dataclasses.replace(base, attnres_hub=lambda block_size: (marker,
+                                                                                                      block_size)))
     assert cores.attnres_hub(3) == (marker, 3)
+    assert torch_cores(torch.float64).attnres_hub is reference_cores().attnres_hub
 
 
 def test_runner_backend_pins_torch_to_one_thread(monkeypatch):
     """The runner's torch backends run torch on one intra-op thread (OpenMP threads stall on busy shared cores)."""
-    from conformance.backends import registry as backends
-
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    ok, why = backends._torch("torch")().available()                 # the loader, not the per-process cache
+    ok, why = builtin.torch_loader("torch")().available()            # the loader, not the per-process cache
     assert ok, why
     assert calls == [1]
