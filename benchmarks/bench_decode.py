@@ -77,4 +77,5 @@ def test_small_decode_vs_memory_floor(benchmark, speed, floor, small_model):
     print(f"\n{blas}; small decode: {1 / best['decode']:.2f} tok/s, {best['decode'] * 1e3:.1f} ms/token, floor "
           f"{floor_s * 1e3:.1f} ms ({nbytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s), ratio {ratio:.2f}x")
     speed.check("small (0.40B) decode, 1 token after 16 / floor", ratio, DECODE_FLOOR_TARGET,
-                f"{best['decode'] * 1e3:.1f} ms vs {floor_s * 1e3:.1f} ms = {nbytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s")
+                f"{best['decode'] * 1e3:.1f} ms vs {floor_s * 1e3:.1f} ms = {nbytes / 1e6:.0f} MB "
+                f"at {bw / 1e9:.1f} GB/s")

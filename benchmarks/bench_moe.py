@@ -21,9 +21,9 @@ K3_EXPERT = LatentMoeConfig(hidden_size=7168, num_experts=1, top_k=1, latent_siz
 
 def _expert_weights(cfg: LatentMoeConfig, rng) -> dict[str, np.ndarray]:
     """Random MXFP4 bytes; scales 2^-9 .. 2^-1 (bytes 118..126) keep SiTU's inputs O(1) and never NaN."""
-    Dl, I = cfg.latent_size, cfg.moe_intermediate_size
+    Dl, inter = cfg.latent_size, cfg.moe_intermediate_size
     w = {}
-    for proj, (rows, cols) in (("w1", (I, Dl)), ("w3", (I, Dl)), ("w2", (Dl, I))):
+    for proj, (rows, cols) in (("w1", (inter, Dl)), ("w3", (inter, Dl)), ("w2", (Dl, inter))):
         w[f"experts.0.{proj}.weight_packed"] = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
         w[f"experts.0.{proj}.weight_scale"] = rng.integers(118, 126, (rows, cols // 32), dtype=np.uint8)
     return w

@@ -40,7 +40,8 @@ def _k3conf_run(report_dir) -> float:
     done = subprocess.run([sys.executable, "-m", "conformance", "run", "--report", str(report_dir)],
                           capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - t0
-    assert done.returncode == 0, f"k3conf run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (f"k3conf run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+                                  f"{done.stderr[-3000:]}")
     return seconds
 
 

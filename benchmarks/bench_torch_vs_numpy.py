@@ -19,10 +19,10 @@ import time
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip install 'k3-conformance[torch]'")
+from conformance.backends.pytorch import make_backend
+from k3ref.cores import reference_cores
 
-from conformance.backends.pytorch import make_backend  # noqa: E402
-from k3ref.cores import reference_cores  # noqa: E402
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip install 'k3-conformance[torch]'")
 
 REPEATS = 7
 H_KDA, K_KDA = 96, 128             # K3 KDA heads x head_dim
@@ -87,6 +87,11 @@ def _rel_rms(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), np.finfo(np.float64).tiny))
 
 
+def _first_output(result):
+    """The first output of a core (cores with several outputs return a tuple)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def measure(core: str, seed: int = 0) -> dict:
     """One row: numpy32 seconds, torch fp32 seconds, ratio, torch-bf16 rel RMS vs float64 (first output)."""
     size, make = DECODE_SIZES[core]
@@ -97,9 +102,8 @@ def measure(core: str, seed: int = 0) -> dict:
     torch_s = make_backend("torch", device="cpu").time_core(core, inputs)
     ref64 = ref_fn(**inputs)
     bf16 = getattr(make_backend("torch-bf16", device="cpu").cores(), core)(**inputs)
-    first = (lambda r: r[0] if isinstance(r, tuple) else r)
     return dict(core=core, size=size, numpy_s=numpy_s, torch_s=torch_s, ratio=numpy_s / torch_s,
-                bf16_err=_rel_rms(first(bf16), first(ref64)))
+                bf16_err=_rel_rms(_first_output(bf16), _first_output(ref64)))
 
 
 def format_row(r: dict) -> str:

@@ -7,10 +7,12 @@ the first launch. `available()` says whether the CUDA backend can run here and, 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 import os
+from collections.abc import Iterator
 
+from . import build, runtime
+from .forcing import forced_entry, forcing
 from .spec import ARCHS, BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic
 
 # One wrapper module k3cuda/<block>.py per kernel; the block name is also the core's name.
@@ -21,9 +23,6 @@ _ENV_ALIASES = {"kda_decode": ("K3_CUDA_KDA",)}
 
 __all__ = ["ARCHS", "BenchCase", "CheckCase", "EntrySpec", "KERNEL_MODULES", "KernelSpec", "Traffic",
            "available", "cuda_cores", "enabled", "force_entry", "forced_entry", "kernel_module", "kernel_specs"]
-
-# block -> entry forced by force_entry() in this context (a contextvar: threads and tasks do not leak it)
-_FORCED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("k3cuda_forced_entries", default={})
 
 
 def kernel_module(block: str):
@@ -41,22 +40,18 @@ def kernel_specs() -> tuple[KernelSpec, ...]:
 def available() -> tuple[bool, str]:
     """(True, device description) when kernels can be compiled and launched here, else (False, why not)."""
     try:
-        import pycuda  # noqa: F401
+        import pycuda  # noqa: F401, PLC0415 -- optional: importing k3cuda never needs a GPU or pycuda
     except ImportError as e:
         return False, (f"pycuda is not installed ({e}); pip install '.[cuda]', or on a machine without network "
                        "install the wheel that tools/build_pycuda_wheel.sh builds into .whl/")
     try:
-        import pycuda.driver as cuda
+        import pycuda.driver as cuda  # noqa: PLC0415 -- optional: importing k3cuda never needs a GPU or pycuda
     except ImportError as e:
         return False, f"pycuda cannot load the CUDA driver library (libcuda.so.1): {e}"
-    from .build import nvcc_path
-
-    if not nvcc_path():
+    if not build.nvcc_path():
         return False, "nvcc is not on PATH (the kernels are compiled on first use; install the CUDA toolkit)"
-    from .runtime import device_index
-
     try:
-        index = device_index()
+        index = runtime.device_index()
     except ValueError as e:
         return False, str(e)
     try:
@@ -90,23 +85,15 @@ def cuda_cores(base):
 
 
 @contextlib.contextmanager
-def force_entry(block: str, entry: str):
+def force_entry(block: str, entry: str) -> Iterator[None]:
     """Inside the `with`, the wrapper of `block` launches `entry` instead of the one it would pick.
 
     For a kernel with several entries chosen by shape or dtype (kda_decode: full width or a 4-way V split by
     B*H; mla_decode: fp32 or bf16 cache), so that a small golden case exercises each of them. Only the
     choosing entries can be forced (not mla_decode's combine, which always runs). ValueError names the choices.
     """
-    choices = getattr(kernel_module(block), "CHOOSABLE_ENTRIES", ())   # single-entry kernels choose nothing
+    choices = kernel_module(block).CHOOSABLE_ENTRIES   # empty for single-entry kernels: they choose nothing
     if entry not in choices:
         raise ValueError(f"force_entry: {block} has no choosable entry {entry!r}; expected one of {list(choices)}")
-    token = _FORCED.set({**_FORCED.get(), block: entry})
-    try:
+    with forcing(block, entry):
         yield
-    finally:
-        _FORCED.reset(token)
-
-
-def forced_entry(block: str) -> str | None:
-    """The entry force_entry() set for `block` in this context, else None (the wrapper picks)."""
-    return _FORCED.get().get(block)

@@ -18,6 +18,7 @@ from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register
 MAX_SOURCES = 9              # AR_MAX_S: K3 (93 layers, block size 12) has at most 8 completed blocks + the prefix
 THREADS, MIN_BLOCKS = 256, 2
 ENTRY = "attnres_mix_f32"
+CHOOSABLE_ENTRIES: tuple[str, ...] = ()   # one entry: nothing for k3cuda.force_entry to choose
 ARGS = ("sources", "proj_w", "norm_w", "out", "S", "T", "D", "mix", "eps")
 ARG_FORMAT = "PPPPiiiff"
 K3_HIDDEN = 7168

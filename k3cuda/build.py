@@ -261,7 +261,7 @@ def check_abi(spec: KernelSpec, arch: str = "sm_90", ptx_text: str | None = None
                          f"(arg_format {e.arg_format!r}); kernel (offset, size) {kernel}, wrapper {packed}")
             continue
         chars = [c for c, _ in _param_chars(e.arg_format)]
-        for i, (p, k, w, c) in enumerate(zip(info, kernel, packed, chars)):
+        for i, (p, k, w, c) in enumerate(zip(info, kernel, packed, chars, strict=True)):   # lengths checked above
             if k != w:
                 fails.append(f"{where}: parameter {i} ({p['name']}): kernel (offset, size) {k}, "
                              f"wrapper packs {w} for {c!r} (arg_format {e.arg_format!r})")

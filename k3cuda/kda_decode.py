@@ -13,6 +13,7 @@ from k3ref.cores import require_supported
 from k3ref.kda import check_lower_bound, query_scale  # the reference core's own checks: one rule for both
 
 from . import runtime
+from .forcing import forced_entry
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
 
 HEAD_DIM = 128                     # K = V the kernel is built for (KDA_K / KDA_V in the .cu)
@@ -57,8 +58,6 @@ def _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state):
 def pick_entry(B: int, H: int) -> str:
     """The full-width entry when B*H blocks fill the GPU twice over, else the 4-way V split (or the entry
     k3cuda.force_entry set)."""
-    from . import forced_entry
-
     forced = forced_entry(KERNEL.block)
     if forced:
         return forced
@@ -77,7 +76,7 @@ def device_launch(inputs: dict, entry: str | None = None) -> runtime.Launch:
     sc = query_scale(inputs.get("scale"), HEAD_DIM)
     lb = float("nan") if lower_bound is None else lower_bound   # NaN selects the softplus gate in the kernel
     names = ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias", "state")
-    bufs = {n: runtime.to_device(a) for n, a in zip(names, arrays)}
+    bufs = {n: runtime.to_device(a) for n, a in zip(names, arrays, strict=True)}
     bufs["o"] = runtime.empty_poisoned((B, H, HEAD_DIM))
     entry = entry or pick_entry(B, H)
     args = tuple(runtime.ptr(bufs[n]) for n in (*names, "o")) + (np.int32(H), np.float32(lb), np.float32(sc))

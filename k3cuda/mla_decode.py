@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from k3ref.cache import paged_latent_cache
@@ -17,6 +18,7 @@ from k3ref.cores import require_supported
 from k3ref.mla import check_decode_args
 
 from . import runtime
+from .forcing import forced_entry
 from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register_budget
 
 MAX_R, MAX_P = 512, 64        # latent and rope widths the register layout covers (K3: 512 + 64)
@@ -115,16 +117,12 @@ def combine_grid(B: int, H: int) -> tuple[int, int]:
 def split_entry(kv_cache) -> str:
     """The split entry for the cache's dtype: bf16 stays bf16 on the device, anything else goes as float32
     (or the entry k3cuda.force_entry set)."""
-    from . import forced_entry
-
     return forced_entry(KERNEL.block) or (ENTRY_BF16 if _is_bf16(kv_cache) else ENTRY_F32)
 
 
 def _cache_as(kv: np.ndarray, entry: str) -> np.ndarray:
     """The validated cache in the dtype `entry` reads. A forced bf16 entry takes a float cache only when every
     value is a bf16 value (a golden's bf16-exact cache), so that the entry computes the same math."""
-    import ml_dtypes
-
     if entry == ENTRY_BF16 and not _is_bf16(kv):
         narrow = kv.astype(ml_dtypes.bfloat16)
         require(np.array_equal(narrow.astype(kv.dtype), kv, equal_nan=True),
@@ -219,7 +217,7 @@ def emulate_split_kv(q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank, 
         L = int(seq_lens[b])
         for s in range(num_splits):
             t0, t1 = s * chunk, min((s + 1) * chunk, L)
-            m, l, acc = np.full(H, -np.inf), np.zeros(H), np.zeros((H, R))
+            m, l_sum, acc = np.full(H, -np.inf), np.zeros(H), np.zeros((H, R))
             for tb in range(t0, t1, tile):
                 t = np.arange(tb, min(tb + tile, t1))
                 rows = flat[np.asarray(block_table)[b, t // page].astype(np.int64) * page + t % page]   # [n, W]
@@ -227,10 +225,10 @@ def emulate_split_kv(q_abs, kv_cache, block_table, seq_lens, *, scale, kv_rank, 
                 m_new = np.maximum(m, sc.max(axis=1))
                 alpha = np.exp(m - m_new)
                 p = np.exp(sc - m_new[:, None])
-                l = l * alpha + p.sum(axis=1)
+                l_sum = l_sum * alpha + p.sum(axis=1)
                 acc = acc * alpha[:, None] + p @ rows[:, :R]
                 m = m_new
-            o_part[b, s], m_part[b, s], l_part[b, s] = acc, m, l
+            o_part[b, s], m_part[b, s], l_part[b, s] = acc, m, l_sum
     M = m_part.max(axis=1, keepdims=True)                                                     # [B, 1, H]
     w = np.exp(m_part - M)                                                                     # empty split: 0
     o_lat = np.einsum("bsh,bshr->bhr", w, o_part) / np.einsum("bsh,bsh->bh", w, l_part)[..., None]
@@ -268,8 +266,6 @@ def make_inputs(rng: np.random.Generator, seq_lens, H: int, *, R: int = MAX_R, P
     cache, table = paged_latent_cache(rng, lens, W, page, spare_pages=spare_pages, spare_columns=0)
     pages = cache.astype(np.float32)
     if cache_dtype == "bfloat16":
-        import ml_dtypes
-
         pages = pages.astype(ml_dtypes.bfloat16)
     return dict(q_abs=rng.standard_normal((B, H, W), dtype=np.float32), kv_cache=pages, block_table=table,
                 seq_lens=lens, scale=1.0 / math.sqrt(192.0), kv_rank=R)

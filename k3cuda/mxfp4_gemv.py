@@ -20,6 +20,7 @@ ROWS_PER_WARP = 2            # MX_ROWS_PER_WARP
 ROWS_PER_BLOCK = THREADS // 32 * ROWS_PER_WARP
 VECTORS_PER_BLOCK = 4        # MX_VECTORS_PER_BLOCK: blockIdx.y walks T in steps of 4
 ENTRY = "mxfp4_gemv_f32"
+CHOOSABLE_ENTRIES: tuple[str, ...] = ()   # one entry: nothing for k3cuda.force_entry to choose
 ARGS = ("packed", "scale", "x", "y", "N", "K", "T")
 ARG_FORMAT = "PPPPiii"
 

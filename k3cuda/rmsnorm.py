@@ -13,6 +13,7 @@ from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register
 
 THREADS = 256
 ENTRY = "rmsnorm_f32"
+CHOOSABLE_ENTRIES: tuple[str, ...] = ()   # one entry: nothing for k3cuda.force_entry to choose
 KERNEL = KernelSpec(
     block="rmsnorm",
     source="rmsnorm.cu",

@@ -37,7 +37,7 @@ def device_index() -> int:
 def driver():
     """pycuda.driver, with the context created and current (first call: cuInit + primary context push)."""
     global _ctx, _dev
-    import pycuda.driver as cuda
+    import pycuda.driver as cuda  # noqa: PLC0415 -- optional: importing k3cuda never needs a GPU or pycuda
 
     if _ctx is None:
         cuda.init()
@@ -133,7 +133,7 @@ def ptr(a) -> int:
 def to_device(a: np.ndarray, dtype=np.float32):
     """Upload a host array (converted to `dtype`, C-contiguous) as a GPUArray."""
     driver()
-    import pycuda.gpuarray as gpuarray
+    import pycuda.gpuarray as gpuarray  # noqa: PLC0415 -- optional: importing k3cuda never needs a GPU or pycuda
 
     return gpuarray.to_gpu(np.ascontiguousarray(a, dtype=dtype))
 
@@ -141,7 +141,7 @@ def to_device(a: np.ndarray, dtype=np.float32):
 def empty_poisoned(shape, dtype=np.float32):
     """A new device array filled with NaN (float32) so that an element the kernel never writes fails the check."""
     driver()
-    import pycuda.gpuarray as gpuarray
+    import pycuda.gpuarray as gpuarray  # noqa: PLC0415 -- optional: importing k3cuda never needs a GPU or pycuda
 
     a = gpuarray.empty(tuple(int(s) for s in shape), dtype)
     poison(a)
@@ -197,7 +197,8 @@ def copy_bandwidth(nbytes: int = 1 << 30, warmup: int = 3, iters: int = 20) -> f
     cuda = driver()
     src, dst = cuda.mem_alloc(nbytes), cuda.mem_alloc(nbytes)
     try:
-        cuda.memset_d32(src, 0x3F800000, nbytes // 4)  # 1.0f, not zeros: a copy of zero pages could be served faster than real data
+        # 1.0f, not zeros: a copy of zero pages could be served faster than real data
+        cuda.memset_d32(src, 0x3F800000, nbytes // 4)
         t = time_fn(lambda: cuda.memcpy_dtod(dst, src, nbytes), warmup, iters)
     finally:
         src.free()

@@ -17,6 +17,7 @@ from .spec import BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic, register
 THREADS = 256
 PER_THREAD = 4
 ENTRY = "situ_glu_f32"
+CHOOSABLE_ENTRIES: tuple[str, ...] = ()   # one entry: nothing for k3cuda.force_entry to choose
 KERNEL = KernelSpec(
     block="situ_glu",
     source="situ_glu.cu",
@@ -31,22 +32,23 @@ def device_launch(inputs: dict, fused: bool = True) -> runtime.Launch:
     check_shape("up", up, gate.shape)
     beta, linear_beta = float(inputs.get("beta", 4.0)), float(inputs.get("linear_beta", 25.0))
     require(beta > 0 and linear_beta > 0, f"beta, linear_beta: expected > 0, found {beta}, {linear_beta}")
-    I = gate.shape[-1]
+    inter = gate.shape[-1]   # the intermediate width I
     rows = int(np.prod(gate.shape[:-1], dtype=np.int64))
-    require(rows < 2**31 and 2 * I < 2**31, f"gate: expected fewer than 2^31 rows and 2I, found shape {gate.shape}")
-    require(I <= 65535 * THREADS * PER_THREAD,   # grid y = ceil(I / 1024) is limited to 65535
-            f"gate: expected I <= {65535 * THREADS * PER_THREAD} (grid y), found I={I}")
+    require(rows < 2**31 and 2 * inter < 2**31, f"gate: expected fewer than 2^31 rows and 2I, found shape {gate.shape}")
+    require(inter <= 65535 * THREADS * PER_THREAD,   # grid y = ceil(I / 1024) is limited to 65535
+            f"gate: expected I <= {65535 * THREADS * PER_THREAD} (grid y), found I={inter}")
     bufs = {"h": runtime.empty_poisoned(gate.shape)}
     if fused:
-        bufs["gate_up"] = runtime.to_device(np.concatenate([gate.reshape(rows, I), up.reshape(rows, I)], axis=1))
-        g_ptr, u_ptr, ld = runtime.ptr(bufs["gate_up"]), runtime.ptr(bufs["gate_up"]) + 4 * I, 2 * I
+        gate_up = np.concatenate([gate.reshape(rows, inter), up.reshape(rows, inter)], axis=1)
+        bufs["gate_up"] = runtime.to_device(gate_up)
+        g_ptr, u_ptr, ld = runtime.ptr(bufs["gate_up"]), runtime.ptr(bufs["gate_up"]) + 4 * inter, 2 * inter
     else:
         bufs["gate"], bufs["up"] = runtime.to_device(gate), runtime.to_device(up)
-        g_ptr, u_ptr, ld = runtime.ptr(bufs["gate"]), runtime.ptr(bufs["up"]), I
-    if rows == 0 or I == 0:
+        g_ptr, u_ptr, ld = runtime.ptr(bufs["gate"]), runtime.ptr(bufs["up"]), inter
+    if rows == 0 or inter == 0:
         return runtime.Launch(lambda: None, bufs, ("h",))
-    grid = (rows, -(-I // (THREADS * PER_THREAD)), 1)
-    args = (g_ptr, u_ptr, runtime.ptr(bufs["h"]), np.int32(I), np.int32(ld), np.float32(beta),
+    grid = (rows, -(-inter // (THREADS * PER_THREAD)), 1)
+    args = (g_ptr, u_ptr, runtime.ptr(bufs["h"]), np.int32(inter), np.int32(ld), np.float32(beta),
             np.float32(linear_beta))
     return runtime.Launch(runtime.bind(KERNEL, ENTRY, grid, args), bufs, ("h",))
 
@@ -59,14 +61,14 @@ def situ_glu(gate, up, beta=4.0, linear_beta=25.0):
     return launch.outputs()["h"]
 
 
-def traffic(rows: int, I: int) -> Traffic:
-    """Bytes and FLOPs of the nonlinearity over [rows, I]."""
+def traffic(rows: int, inter: int) -> Traffic:
+    """Bytes and FLOPs of the nonlinearity over [rows, inter] (inter: the intermediate width I)."""
     f32 = 4
     nbytes = (
-        2 * rows * I * f32   # gate and up read
-        + rows * I * f32     # h written
+        2 * rows * inter * f32   # gate and up read
+        + rows * inter * f32     # h written
     )
-    flops = rows * I * 10    # two softcaps (div, tanh, mul), sigmoid (exp, add, div), two products
+    flops = rows * inter * 10    # two softcaps (div, tanh, mul), sigmoid (exp, add, div), two products
     return Traffic(bytes=nbytes, flops=flops)
 
 

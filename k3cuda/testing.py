@@ -7,15 +7,26 @@ the comparison itself is conformance.judge.compare's (`check_outputs`), the one 
 from __future__ import annotations
 
 import collections
+import ctypes
+import hashlib
+import shutil
+import struct
+import subprocess
+import tempfile
 import zlib
+from pathlib import Path
 
 import numpy as np
+
+from k3ref.cores import reference_cores
+
+from . import runtime
+from .build import KERNEL_DIR, BuildError, cache_dir, source_closure
+from .spec import KernelSpec
 
 
 def reference_core(block: str):
     """The k3ref core of the same name (k3ref.cores.reference_cores())."""
-    from k3ref.cores import reference_cores
-
     return getattr(reference_cores(), block)
 
 
@@ -39,10 +50,10 @@ def case_seed(label: str) -> int:
 #
 # The .cu file is compiled as C++17 with a small shim (each CUDA thread a fiber, run round-robin
 # up to its next barrier: __syncthreads waits for the block, __syncwarp and __shfl_xor_sync for the warp; one
-# block at a time, so __shared__ becomes `static`), and each entry is called with the argument buffer packed exactly as PyCUDA packs it
-# (struct, native alignment, EntrySpec.arg_format). Inside `cpu_emulation()` the runtime's device buffers
-# are host arrays and `runtime.bind` launches the emulated entry, so the wrappers, their argument packing
-# and the kernels' indexing and reductions run unchanged on the CPU. It checks logic, not speed or the
+# block at a time, so __shared__ becomes `static`), and each entry is called with the argument buffer packed
+# exactly as PyCUDA packs it (struct, native alignment, EntrySpec.arg_format). Inside `cpu_emulation()` the
+# runtime's device buffers are host arrays and `runtime.bind` launches the emulated entry, so the wrappers, their
+# argument packing and the kernels' indexing and reductions run unchanged on the CPU. It checks logic, not speed or the
 # GPU's rounding (x86 float, no FMA contraction). <cuda_bf16.h> is replaced by a stand-in with the bf16 -> float
 # conversions; a kernel that uses other CUDA headers or intrinsics does not build (BuildError names them).
 
@@ -182,7 +193,9 @@ EMU_BF16 = r"""
 #include <cstring>
 struct __nv_bfloat16 { uint16_t x; };
 struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
-inline float __bfloat162float(__nv_bfloat16 h) { uint32_t u = uint32_t(h.x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline float __bfloat162float(__nv_bfloat16 h) {
+    uint32_t u = uint32_t(h.x) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
 inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
 """
 
@@ -192,22 +205,14 @@ def emulator_library(spec):
 
     Raises k3cuda.build.BuildError (with g++'s output) when the kernel does not build under the shim.
     """
-    import ctypes
-    import hashlib
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from .build import KERNEL_DIR, BuildError, cache_dir, source_closure
-
     gxx = shutil.which("g++")
     if not gxx:
         raise BuildError("g++ not found on PATH (the CPU emulation of the kernels needs it)")
     driver = ['#include "emu_shim.h"', f'#include "{spec.path}"']
     for e in spec.entries:
         driver.append(f'extern "C" int emu_{e.name}(unsigned gx, unsigned gy, unsigned gz, unsigned nt, '
-                      f'const char* buf) {{ return emu::run_grid(gx, gy, gz, nt, [buf] {{ emu::invoke(&{e.name}, buf); }}); }}')
+                      f'const char* buf) {{ return emu::run_grid(gx, gy, gz, nt, '
+                      f'[buf] {{ emu::invoke(&{e.name}, buf); }}); }}')
     driver_src = "\n".join(driver) + "\n"
     flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-Wno-attributes",
              *(f"-D{d}" for d in spec.defines)]
@@ -266,13 +271,8 @@ class cpu_emulation:
 
     SM_COUNT = 132  # what multiprocessor_count() answers (an H200's)
 
-    def __enter__(self):
-        import ctypes
-        import struct
-
-        from . import runtime
-
-        libs: dict = {}
+    def __enter__(self) -> cpu_emulation:
+        libs: dict[KernelSpec, ctypes.CDLL] = {}   # keyed by the whole spec: a test may swap in a mutant source
 
         def bind(spec, entry, grid, args, shared=0):
             if shared:
@@ -281,7 +281,7 @@ class cpu_emulation:
             grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
             if min(grid) < 1:
                 raise ValueError(f"{spec.block}/{entry}: grid {grid} has an empty dimension")
-            if spec not in libs:   # keyed by the whole spec: a test may swap in a mutant source
+            if spec not in libs:
                 libs[spec] = emulator_library(spec)
             fn = getattr(libs[spec], f"emu_{entry}")
             fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_char_p]

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.support.strict import require
+
 settings.register_profile(
     "ci",
     deadline=None,
@@ -28,8 +30,6 @@ REQUIREMENT_MARKERS = ("torch", "nvcc", "gxx")
 def pytest_runtest_setup(item):
     """A test marked torch / nvcc / gxx is skipped with the reason when that is missing, and fails under
     K3_STRICT=1 (tests/support/strict.py). tryfirst: before any skipif of the test itself."""
-    from tests.support.strict import require
-
     for marker in REQUIREMENT_MARKERS:
         if item.get_closest_marker(marker) is not None:
             require(marker)

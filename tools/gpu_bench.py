@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time every k3cuda kernel's bench cases on the GPU and apply the speed gates (DESIGN.md section 5).
+"""Time every k3cuda kernel's bench cases on the GPU and apply the speed gates (docs/spec.md section 5.4).
 
 For each `bench_cases()` entry of each wrapper in k3cuda.KERNEL_MODULES: fresh random inputs, uploaded once;
 `time_fn` (below) of the kernel; achieved bytes/s from the case's Traffic; the ratio to the bandwidth of a
@@ -37,11 +37,15 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))   # run as `python3 tools/gpu_bench.py`: the repository root is not on sys.path yet
+
+import k3cuda  # noqa: E402 -- after the sys.path line above, which makes the checkout importable
+from k3cuda import runtime, testing  # noqa: E402 -- likewise
 
 # block -> (kernel version the miss is expected of, reason). Checked against the header's latest "vN:" line.
 EXPECTED_MISSES: dict[str, tuple[int, str]] = {
@@ -55,7 +59,15 @@ COPY_BYTES = 1 << 30      # the copy kernel's buffer: far beyond the L2
 
 # ---------------------------------------------------------------------------------------------- timing
 
-def time_fn(fn: Callable[[], object], *, flush: Callable[[], object], event: Callable[[], object],
+class TimingEvent(Protocol):
+    """What time_fn needs of an event (pycuda.driver.Event, or _TorchEvent around torch.cuda.Event)."""
+
+    def record(self) -> object: ...
+
+    def time_till(self, other: TimingEvent) -> float: ...   # milliseconds from this event to `other`
+
+
+def time_fn(fn: Callable[[], object], *, flush: Callable[[], object], event: Callable[[], TimingEvent],
             synchronize: Callable[[], object], launches: int = 1, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds per launch of fn() (see the module docstring). `event()` makes an event with record() and
     time_till(other) -> ms (pycuda.driver.Event); `flush()` evicts L2; `synchronize()` waits for the device."""
@@ -124,7 +136,7 @@ class Device:
     """What a run needs from the GPU: the timer's pieces, the L2 size, the copy bandwidth."""
 
     flush: Callable[[], object]
-    event: Callable[[], object]
+    event: Callable[[], TimingEvent]
     synchronize: Callable[[], object]
     l2_bytes: int
     keep: object = None       # device buffers that must live as long as the Device (the flush's scrub buffer)
@@ -144,9 +156,7 @@ extern "C" __global__ void copy_f4(const float4* __restrict__ src, float4* __res
 
 def pycuda_device() -> tuple[Device, Callable[[Device, object], float]]:
     """The Device of k3cuda's context, and a function measuring the copy kernel's bandwidth (read + write)."""
-    from pycuda.compiler import SourceModule
-
-    from k3cuda import runtime
+    from pycuda.compiler import SourceModule  # noqa: PLC0415 -- optional: importing this file needs no pycuda
 
     cuda = runtime.driver()
     l2 = runtime.device().get_attribute(cuda.device_attribute.L2_CACHE_SIZE)
@@ -174,9 +184,9 @@ def pycuda_device() -> tuple[Device, Callable[[Device, object], float]]:
 def torch_baseline(block: str, inputs: dict, device: str = "cuda"):
     """The PyTorch core of `k3conf run` for `block` in float32 on `device`: inputs checked and uploaded here,
     once; the returned callable runs the math alone (what is timed)."""
-    import torch
+    import torch  # noqa: PLC0415 -- optional: the kernels are timed without torch (--no-torch)
 
-    from k3torch.cores import torch_core
+    from k3torch.cores import torch_core  # noqa: PLC0415 -- optional: k3torch imports torch
 
     core = torch_core(block, dtype=torch.float32, device=device)
     prepared = core.prepare(**inputs)
@@ -185,7 +195,7 @@ def torch_baseline(block: str, inputs: dict, device: str = "cuda"):
 
 def time_torch(fn, dev: Device, nbytes: int, args) -> float:
     """time_fn with torch's events and synchronisation (the flush stays k3cuda's memset on the same device)."""
-    import torch
+    import torch  # noqa: PLC0415 -- optional: the kernels are timed without torch (--no-torch)
 
     with torch.no_grad():
         return time_fn(fn, flush=dev.flush, event=lambda: _TorchEvent(torch), synchronize=torch.cuda.synchronize,
@@ -196,16 +206,16 @@ class _TorchEvent:
     def __init__(self, torch):
         self._e = torch.cuda.Event(enable_timing=True)
 
-    def record(self):
+    def record(self) -> None:
         self._e.record()
 
-    def time_till(self, other) -> float:
+    def time_till(self, other: TimingEvent) -> float:
+        if not isinstance(other, _TorchEvent):   # a torch event can only be timed against another torch event
+            raise TypeError(f"time_till: expected a _TorchEvent, found {type(other).__name__}")
         return self._e.elapsed_time(other._e)
 
 
 def bench_case(mod, block: str, case, copy_bw: float, dev: Device, version: int | None, args) -> dict:
-    from k3cuda import testing
-
     nbytes = case.traffic.bytes
     row = {"block": block, "case": case.label, "bytes": nbytes, "flops": case.traffic.flops,
            "target_bw_ratio": case.target_bw_ratio, "l2_resident": nbytes < 2 * dev.l2_bytes,
@@ -286,8 +296,6 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20, help="event pairs per case (L2 flushed before each)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager baseline")
     args = p.parse_args(argv)
-
-    import k3cuda
 
     ok, why = k3cuda.available()
     if not ok:

@@ -9,7 +9,7 @@ survived=0
 mutate() {  # name, file, python-regex, replacement
     local name=$1 file=$2 pat=$3 rep=$4 tmp
     tmp=$(mktemp -d)
-    cp -r "$root/k3ref" "$root/conformance" "$root/k3cuda" "$root/tests" "$root/golden" "$root/pyproject.toml" "$tmp/"
+    cp -r "$root/k3ref" "$root/k3torch" "$root/conformance" "$root/k3cuda" "$root/tests" "$root/golden" "$root/pyproject.toml" "$tmp/"
     "$py" - "$tmp/$file" "$pat" "$rep" <<'PY' || { echo "$name: pattern not found"; survived=1; rm -rf "$tmp"; return; }
 import re, sys
 path, pat, rep = sys.argv[1:]

@@ -1,6 +1,6 @@
 // attnres_mix.cu — Block AttnRes softmax mix over depth sources, blended with the plain residual sum.
 //
-// What it computes (DESIGN.md section 3 "Block AttnRes"; docs/interfaces.md core `attnres_mix`):
+// What it computes (docs/spec.md section 3.6 "Block AttnRes"; docs/interfaces.md core `attnres_mix`):
 //   sources V [S, T, D] fp32 (S <= 9 depth sources, T tokens), proj_w [D], norm_w [D], mix, eps (1e-5):
 //   rms_i = sqrt(mean_d V_id^2 + eps);  logit_i = sum_d V_id / rms_i * norm_w_d * proj_w_d;
 //   alpha = softmax_i(logit);  out[t] = (1 - mix) sum_i V_i + mix sum_i alpha_i V_i

@@ -11,7 +11,7 @@
 // sigma(x) = 1 / (1 + exp(-x)); expf(-x) overflows to +inf for x < -88, giving exactly 0 (no NaN).
 __device__ __forceinline__ float k3_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// softcap_c(z) = c * tanh(z / c)  (DESIGN.md section 3)
+// softcap_c(z) = c * tanh(z / c)  (docs/spec.md section 3)
 __device__ __forceinline__ float k3_softcapf(float z, float c) { return c * tanhf(z / c); }
 
 // softplus(x) = max(x, 0) + log1p(exp(-|x|)), the same stable form as k3ref.ops.softplus

@@ -1,4 +1,4 @@
-// kda_decode.cu — one decode token of Kimi Delta Attention, per (sequence b, head h) (DESIGN.md section 3).
+// kda_decode.cu — one decode token of Kimi Delta Attention, per (sequence b, head h) (docs/spec.md section 3.1).
 //
 // Inputs (fp32, contiguous): q, k, g_raw: [B, H, K]; v: [B, H, V]; beta_raw: [B, H]; A_log: [H];
 // dt_bias: [H*K]; state S: [B, H, K, V] (updated in place); output o: [B, H, V].  K = V = 128.

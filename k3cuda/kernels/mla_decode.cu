@@ -1,6 +1,6 @@
 // mla_decode.cu — absorbed MLA decode over a paged latent cache (FlashMLA's decode interface), split-KV.
 //
-// What it computes (DESIGN.md section 3 "Gated NoPE MLA"; docs/interfaces.md core `mla_decode`):
+// What it computes (docs/spec.md section 3.2 "Gated NoPE MLA"; docs/interfaces.md core `mla_decode`):
 //   q_abs [B, H, W] fp32 with W = R + P (K3: R = kv_rank = 512, P = 64), rows [W_UK,h^T q_nope_h | q_pe_h];
 //   kv_cache [N_pages, page, W] (fp32 for conformance, bf16 for production), rows [c_j | k_pe_j];
 //   block_table [B, max_pages] int32 (page of tokens page*i .. page*i+page-1), seq_lens [B] int32 (>= 1).

@@ -1,6 +1,6 @@
 // mxfp4_gemv.cu — y = W x with W in the K3 MXFP4 layout, dequantised on the fly.
 //
-// What it computes (DESIGN.md section 3 "MXFP4"; docs/interfaces.md core `mxfp4_gemv`):
+// What it computes (docs/spec.md section 3.5 "MXFP4"; docs/interfaces.md core `mxfp4_gemv`):
 //   packed u8 [N, K/2]: element 2i in the low nibble of byte i, 2i+1 in the high nibble (E2M1 codes);
 //   scale u8 [N, K/32]: one E8M0 byte per 32 elements, 2^(e - 127), e = 255 is NaN;
 //   E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6];

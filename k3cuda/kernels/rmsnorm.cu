@@ -1,4 +1,4 @@
-// rmsnorm.cu — RMSNorm over the last axis, one block per row (DESIGN.md section 3).
+// rmsnorm.cu — RMSNorm over the last axis, one block per row (docs/spec.md section 3).
 //
 //   y[r, d] = w[d] * x[r, d] / sqrt(mean_d(x[r, :]^2) + eps)        x, y: [rows, D] fp32;  w: [D] fp32
 //

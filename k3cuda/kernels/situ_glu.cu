@@ -1,4 +1,4 @@
-// situ_glu.cu — the SiTU-GLU nonlinearity, fused over a [gate | up] buffer (DESIGN.md section 3).
+// situ_glu.cu — the SiTU-GLU nonlinearity, fused over a [gate | up] buffer (docs/spec.md section 3.3).
 //
 //   h[r, i] = softcap_beta(g) * sigma(g) * softcap_lbeta(u),   g = gate[r, i], u = up[r, i],
 //   softcap_c(z) = c * tanh(z / c);  beta = 4 (SiTU), lbeta = 25 (linear branch)

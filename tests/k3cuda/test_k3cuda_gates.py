@@ -55,6 +55,10 @@ def test_wrapper_conventions(block):
     for name in (block, "device_launch", "traffic", "bench_cases", "check_cases"):
         assert callable(getattr(mod, name, None)), f"k3cuda.{block} has no function {name}()"
     assert mod.bench_cases() and mod.check_cases(), f"k3cuda.{block}: empty bench_cases() or check_cases()"
+    # what k3cuda.force_entry may pick: entries of this kernel only (empty when it has one entry to launch)
+    entries = {e.name for e in mod.KERNEL.entries}
+    assert set(mod.CHOOSABLE_ENTRIES) <= entries, (
+        f"k3cuda.{block}.CHOOSABLE_ENTRIES: expected entries of {sorted(entries)}, found {mod.CHOOSABLE_ENTRIES}")
 
 
 def test_import_touches_no_gpu():
@@ -250,7 +254,7 @@ def test_abi_gate_checks_float_vs_integer(fmt, words):
     """Same-size parameters of another type (an int where the kernel reads a float) are caught from the PTX types."""
     spec = KernelSpec(block="k", source="k.cu", entries=(EntrySpec("k", fmt, 256, register_budget(256, 2)),))
     fails = build.check_abi(spec, ptx_text=PTX_SAMPLE)
-    assert len(fails) == len(words) and all(w in f for w, f in zip(words, fails)), fails
+    assert len(fails) == len(words) and all(w in f for w, f in zip(words, fails, strict=True)), fails
 
 
 PTXAS_SAMPLE = """ptxas info    : 0 bytes gmem

@@ -11,10 +11,12 @@ check the harness itself and the torch baselines (on the CPU).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import struct
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +24,9 @@ import pytest
 import k3cuda
 from conformance.judge.compare import as_tuple, check_outputs
 from conformance.judge.gates import gate_for
-from k3cuda import testing
+from k3cuda import build, kda_decode, rmsnorm, runtime, testing
+from k3ref.cores import CORE_NAMES, Cores
+from tests.support.strict import require
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,6 @@ def backend(request):
         request.getfixturevalue("gpu")
         yield "gpu"
         return
-    from tests.support.strict import require
-
     require("gxx")
     with testing.cpu_emulation():
         yield "cpu-emu"
@@ -69,12 +71,10 @@ def _case(block: str, label: str):
 
 def _gpu_bench():
     """tools/gpu_bench.py as a module (it is a script, not part of a package); importing it needs no GPU."""
-    import importlib.util
-    from pathlib import Path
-
     name = "gpu_bench_for_baseline"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "tools" / "gpu_bench.py")
+        script = Path(__file__).resolve().parents[2] / "tools" / "gpu_bench.py"
+        spec = importlib.util.spec_from_file_location(name, script)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod                                   # dataclasses look their module up there
         spec.loader.exec_module(mod)
@@ -85,7 +85,8 @@ def _tol(block: str) -> float:
     """The cap of the block's fp32 row in conformance/judge/gates.py: the bound `k3conf run` applies to the same kernel
     (the baseline-relative part needs a baseline run, which these tests do not make)."""
     key, gate = gate_for(block, "*", "fp32")
-    assert key[0] == block, f"no fp32 gate row of its own for {block}: add one to conformance/judge/gates.py with a reason"
+    assert key[0] == block, (f"no fp32 gate row of its own for {block}: add one to conformance/judge/gates.py "
+                             "with a reason")
     return gate.cap
 
 
@@ -132,16 +133,13 @@ def test_variant_matches_reference(backend, block, kwargs, labels):
 def test_kda_state_updated_in_place_over_three_steps(backend, entry):
     """The device state buffer carries the recurrence: three tokens launched on one resident state give the
     reference's o at every step and its state after the third."""
-    from k3cuda import kda_decode as mod
-    from k3cuda import runtime
-
     rng = np.random.default_rng(testing.case_seed(f"kda_decode/in-place/{entry}"))
-    first = mod.make_inputs(rng, 3, 5)
-    launch = mod.device_launch(first, entry=entry)
+    first = kda_decode.make_inputs(rng, 3, 5)
+    launch = kda_decode.device_launch(first, entry=entry)
     ref_core = testing.reference_core("kda_decode")
     state64 = first["state"].astype(np.float64)
     for step in range(3):
-        token = first if step == 0 else mod.make_inputs(rng, 3, 5)
+        token = first if step == 0 else kda_decode.make_inputs(rng, 3, 5)
         for name in ("q", "k", "v", "g_raw", "beta_raw"):
             launch.buffers[name].set(np.ascontiguousarray(token[name], np.float32))
         runtime.poison(launch.buffers["o"])
@@ -158,10 +156,8 @@ def test_kda_state_updated_in_place_over_three_steps(backend, entry):
 
 def test_unlaunched_outputs_stay_poisoned(backend):
     """The harness can fail: outputs that no kernel wrote are NaN and the comparison says so."""
-    from k3cuda import rmsnorm as mod
-
-    inputs = mod.make_inputs(np.random.default_rng(1), (4, 64))
-    launch = mod.device_launch(inputs)            # not launched
+    inputs = rmsnorm.make_inputs(np.random.default_rng(1), (4, 64))
+    launch = rmsnorm.device_launch(inputs)        # not launched
     y = launch.outputs()["y"]
     assert np.isnan(y).all()
     fails = check_outputs("rmsnorm", y, testing.reference_core("rmsnorm")(**testing.to_float64(inputs)),
@@ -171,14 +167,13 @@ def test_unlaunched_outputs_stay_poisoned(backend):
 
 def test_mutant_kernel_is_caught(backend, tmp_path, monkeypatch):
     """The comparison can fail on a real kernel bug: rmsnorm.cu with mean(x^2) over D + 1 instead of D."""
-    from k3cuda import rmsnorm as mod
-
-    src = mod.KERNEL.path.read_text()
+    src = rmsnorm.KERNEL.path.read_text()
     assert "ss / (float)D" in src
     (tmp_path / "rmsnorm_mutant.cu").write_text(src.replace("ss / (float)D", "ss / (float)(D + 1)"))
-    monkeypatch.setattr(mod, "KERNEL", dataclasses.replace(mod.KERNEL, source=str(tmp_path / "rmsnorm_mutant.cu")))
-    inputs = mod.make_inputs(np.random.default_rng(3), (5, 96))
-    out = mod.rmsnorm(**inputs)
+    mutant = dataclasses.replace(rmsnorm.KERNEL, source=str(tmp_path / "rmsnorm_mutant.cu"))
+    monkeypatch.setattr(rmsnorm, "KERNEL", mutant)
+    inputs = rmsnorm.make_inputs(np.random.default_rng(3), (5, 96))
+    out = rmsnorm.rmsnorm(**inputs)
     fails = check_outputs("rmsnorm", out, testing.reference_core("rmsnorm")(**testing.to_float64(inputs)),
                           _tol("rmsnorm"))
     assert fails and "rel_rms" in fails[0]
@@ -187,12 +182,9 @@ def test_mutant_kernel_is_caught(backend, tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_timers_measure_something(gpu):
     """Copy bandwidth lands between 100 GB/s and 20 TB/s; a launch times to a positive median."""
-    from k3cuda import rmsnorm as mod
-    from k3cuda import runtime
-
     bw = runtime.copy_bandwidth(1 << 28, warmup=2, iters=5)
     assert 1e11 < bw < 2e13, f"copy bandwidth {bw / 1e9:.1f} GB/s is implausible"
-    t = runtime.time_fn(mod.device_launch(mod.make_inputs(np.random.default_rng(2), (64, 7168))), 2, 5)
+    t = runtime.time_fn(rmsnorm.device_launch(rmsnorm.make_inputs(np.random.default_rng(2), (64, 7168))), 2, 5)
     assert 0 < t < 0.1
 
 
@@ -259,8 +251,6 @@ def test_available_gives_a_reason():
 
 def test_cuda_cores_env_switch(monkeypatch):
     """K3_CUDA_KDA=0 keeps the base kda_decode; the other kernels are swapped in; cores without a kernel kept."""
-    from k3ref.cores import CORE_NAMES, Cores
-
     base = Cores(**{name: (lambda *a, _n=name, **k: _n) for name in CORE_NAMES})
     monkeypatch.setenv("K3_CUDA_KDA", "0")
     cores = k3cuda.cuda_cores(base)
@@ -296,20 +286,17 @@ def test_torch_baseline_computes_the_same_function(block, label):
 
 
 def _kda_bad(field, value):
-    from k3cuda import kda_decode as mod
-
-    inputs = mod.make_inputs(np.random.default_rng(4), 2, 3)
-    return mod.kda_decode, {**inputs, field: value}
+    inputs = kda_decode.make_inputs(np.random.default_rng(4), 2, 3)
+    return kda_decode.kda_decode, {**inputs, field: value}
 
 
 def _kda_head_dim_64():
     """Consistent KDA inputs with K = V = 64 (legal for the reference, not for the kernel)."""
-    from k3cuda import kda_decode as mod
-
-    inputs = mod.make_inputs(np.random.default_rng(5), 1, 2)
+    inputs = kda_decode.make_inputs(np.random.default_rng(5), 1, 2)
     for name in ("q", "k", "v", "g_raw"):
         inputs[name] = inputs[name][..., :64]
-    return mod.kda_decode, {**inputs, "dt_bias": inputs["dt_bias"][:128], "state": inputs["state"][..., :64, :64]}
+    return kda_decode.kda_decode, {**inputs, "dt_bias": inputs["dt_bias"][:128],
+                                   "state": inputs["state"][..., :64, :64]}
 
 
 # (host function + inputs, the words the ValueError must contain); shapes are checked before any upload
@@ -402,9 +389,6 @@ class _FakeDriver:
 def test_runtime_logic_against_a_fake_pycuda(monkeypatch):
     """runtime's lazy context, cubin choice, prepare/prepared_call packing, NaN poisoning and timers, run
     against a stand-in pycuda (no GPU): a typo in these paths would otherwise surface only on the GPU."""
-    from k3cuda import rmsnorm as mod
-    from k3cuda import runtime
-
     fake = _FakeDriver()
     gpuarray = types.SimpleNamespace(
         to_gpu=lambda a: types.SimpleNamespace(gpudata=1000, dtype=a.dtype, size=a.size, get=a.copy),
@@ -421,7 +405,7 @@ def test_runtime_logic_against_a_fake_pycuda(monkeypatch):
     compiled = []
     monkeypatch.setattr(runtime, "nvcc_compile", lambda spec, arch, kind: compiled.append((spec.block, arch, kind)))
 
-    launch = mod.device_launch(mod.make_inputs(np.random.default_rng(6), (3, 8)))
+    launch = rmsnorm.device_launch(rmsnorm.make_inputs(np.random.default_rng(6), (3, 8)))
     launch()
     launch()
     assert compiled == [("rmsnorm", "sm_90", "cubin")]                  # loaded once, for the device's arch
@@ -434,7 +418,7 @@ def test_runtime_logic_against_a_fake_pycuda(monkeypatch):
     assert struct.unpack("PPPif", buf)[:4] == (1000, 1000, 2000, 8)   # x, w, y pointers, then D
 
     monkeypatch.setenv("K3CUDA_SYNC", "1")
-    mod.device_launch(mod.make_inputs(np.random.default_rng(7), (2, 4)))()
+    rmsnorm.device_launch(rmsnorm.make_inputs(np.random.default_rng(7), (2, 4)))()
     assert fake.calls[-1] == ("sync",)
     assert runtime.time_fn(launch, warmup=1, iters=3) == pytest.approx(1e-3)   # one call between the events
     assert runtime.copy_bandwidth(1 << 20, warmup=0, iters=2) == pytest.approx(2 * (1 << 20) / 1e-3)
@@ -444,8 +428,6 @@ def test_runtime_logic_against_a_fake_pycuda(monkeypatch):
 def test_available_with_a_fake_pycuda(monkeypatch):
     """available() answers (True, device) through the driver, and a bad K3CUDA_DEVICE gives (False, why), not a
     traceback (runtime.driver() raises the same ValueError)."""
-    from k3cuda import build, runtime
-
     fake = _FakeDriver()
     fake.Device.count = staticmethod(lambda: 1)
     fake.Device.name = lambda self: "Fake H200"

@@ -16,6 +16,7 @@ tests/k3cuda/test_k3cuda_gpu.py, shared by all kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from types import SimpleNamespace
@@ -25,17 +26,24 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conformance.judge.compare import check_outputs
 from k3cuda import attnres_mix as AR
+from k3cuda import kernel_module, runtime, testing
 from k3cuda import mla_decode as MLA
 from k3cuda import mxfp4_gemv as MX
-from k3cuda import runtime
 from k3cuda.spec import register_budget
+from k3cuda.testing import cpu_emulation
+from k3ref.config import K3Config
+from k3ref.cores import reference_cores
+from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
 from k3ref.mla import mla_decode_core
+from tests.support.strict import require
 from tests.support.tolerances import elem, rel_rms, tol
 
 SM_COUNT = 132  # an H200's SMs, the fake device's
 
-# every entry of the multi-entry kernels (mla_decode, mxfp4_gemv, attnres_mix) and the wrapper's packing order (parameter names) for it
+# every entry of the multi-entry kernels (mla_decode, mxfp4_gemv, attnres_mix) and the wrapper's packing order
+# (parameter names) for it
 ENTRY_ARGS = [
     pytest.param(MLA, MLA.ENTRY_F32, MLA.SPLIT_ARGS, id="mla_decode_split_f32"),
     pytest.param(MLA, MLA.ENTRY_BF16, MLA.SPLIT_ARGS, id="mla_decode_split_bf16"),
@@ -138,7 +146,8 @@ def fake(monkeypatch):
         return lambda: rec.runs.append(entry)
 
     monkeypatch.setattr(runtime, "to_device", to_device)
-    monkeypatch.setattr(runtime, "empty_poisoned", lambda shape, dtype=np.float32: to_device(np.full(shape, np.nan), dtype))
+    monkeypatch.setattr(runtime, "empty_poisoned",
+                        lambda shape, dtype=np.float32: to_device(np.full(shape, np.nan), dtype))
     monkeypatch.setattr(runtime, "bind", bind)
     monkeypatch.setattr(runtime, "multiprocessor_count", lambda: SM_COUNT)
     return rec
@@ -179,7 +188,7 @@ def test_device_launch_packs_buffers_and_scalars(fake, module, case):
     launch = module.device_launch(d)
     want = expected_launches(module, d)
     assert [(b.entry, b.grid + (1,) * (3 - len(b.grid))) for b in fake.binds] == [(e, g) for e, g, _ in want]
-    for b, (_, _, scalars) in zip(fake.binds, want):
+    for b, (_, _, scalars) in zip(fake.binds, want, strict=True):   # same length: asserted above
         fmt = module.KERNEL.entry(b.entry).arg_format
         struct.pack("@" + fmt.replace("P", "Q"), *b.args)   # packable as prepare() packs them
         for ch, name, arg in zip(fmt, _names(module, b.entry), b.args, strict=True):
@@ -331,7 +340,8 @@ def _ar(**change):
 BAD_INPUTS = [
     pytest.param(_mla(kv_rank=510), r"R % 4 == 0.*found R=510", id="mla-R-not-multiple-of-4"),
     pytest.param(_mla(kv_rank=432), r"P = W - R <= 64.*found R=432, P=144", id="mla-P-too-wide"),
-    pytest.param(_mla(seq_lens=np.array([70, 0], np.int32)), r"seq_lens\[1\]: expected 1 <= seq_len", id="mla-empty-seq"),
+    pytest.param(_mla(seq_lens=np.array([70, 0], np.int32)), r"seq_lens\[1\]: expected 1 <= seq_len",
+                 id="mla-empty-seq"),
     pytest.param(_mla(seq_lens=np.array([129, 3], np.int32)), r"seq_lens\[0\].*found 129", id="mla-seq-past-table"),
     pytest.param(_mla(block_table=np.array([[0, 99], [2, 0]], np.int32)), r"block_table\[0\]: expected page ids",
                  id="mla-page-out-of-range"),
@@ -471,11 +481,7 @@ def test_mla_make_inputs_layout():
 @pytest.fixture
 def emulated():
     """k3cuda.runtime with launches running the CPU emulation of the kernels (skipped without g++)."""
-    from tests.support.strict import require
-
     require("gxx")
-    from k3cuda.testing import cpu_emulation
-
     with cpu_emulation():
         yield
 
@@ -524,16 +530,11 @@ TINY_PROMPT, TINY_DECODE = [5, 17, 3, 42, 8, 1, 60], [11, 2, 90]
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from k3ref.config import K3Config
-    from k3ref.cpu_forward import K3CpuModel
-
     return K3CpuModel.synthetic(K3Config.preset("tiny"), seed=7)
 
 
 def _tiny_logits(model, cores) -> np.ndarray:
     """Prefill TINY_PROMPT, then decode TINY_DECODE one token at a time; the decode logits [3, vocab]."""
-    from k3ref.cpu_forward import forward_prefill, forward_token
-
     cache = model.new_cache()
     seq = cache.add_sequence()
     forward_prefill(model, TINY_PROMPT, cache, seq=seq, cores=cores)
@@ -545,8 +546,6 @@ def _tiny_logits(model, cores) -> np.ndarray:
 def test_emulated_kernel_in_the_tiny_model(emulated, tiny_model, module):
     """The tiny model (float64) with one core replaced by its emulated kernel (fp32): the decode logits stay
     within the fp32 budget of the float64 run, and the graph really called the kernel."""
-    from k3ref.cores import reference_cores
-
     block = module.KERNEL.block
     calls = []
     kernel = getattr(module, block)
@@ -576,11 +575,6 @@ BARRIER_MUTANTS = [
 @pytest.mark.parametrize("block, line", BARRIER_MUTANTS)
 def test_emulation_catches_a_missing_barrier(emulated, tmp_path, monkeypatch, block, line):
     """The CPU emulation checks barrier discipline, not only indexing: a kernel with one barrier removed fails."""
-    import dataclasses
-
-    from conformance.judge.compare import check_outputs
-    from k3cuda import kernel_module, testing
-
     mod = kernel_module(block)
     src = mod.KERNEL.path.read_text()
     assert src.count(line) == 1, f"{mod.KERNEL.source} no longer has the line this mutant removes: {line!r}"

@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 
+from k3cuda import build
+
 INSTALL = {
     "torch": "PyTorch is not installed ({why}): pip install 'k3-conformance[torch]' (or `make setup`)",
     "nvcc": "nvcc is not on PATH: the CPU-side kernel gates compile the kernels (install the CUDA toolkit)",
@@ -33,8 +35,6 @@ def missing(what: str) -> str | None:
             return INSTALL["torch"].format(why=e)
         return None
     if what == "nvcc":
-        from k3cuda import build
-
         return None if build.nvcc_path() else INSTALL["nvcc"]
     if what == "gxx":
         return None if shutil.which("g++") else INSTALL["gxx"]

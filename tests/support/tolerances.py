@@ -5,6 +5,8 @@ below leave headroom for the length of the computation. float32 rows are measure
 """
 from __future__ import annotations
 
+import numpy as np
+
 # name: (relative-RMS tolerance, reason)
 TOL: dict[str, tuple[float, str]] = {
     "fp64_same_math": (1e-12, "two float64 forms of one formula; rounding differs by op order only"),
@@ -73,8 +75,6 @@ def effect(name: str) -> float:
 
 def rel_rms(out, ref) -> float:
     """||out - ref|| / ||ref|| (with ||ref|| floored at the smallest normal so zero refs still compare)."""
-    import numpy as np
-
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     den = max(float(np.linalg.norm(ref)), np.finfo(np.float64).tiny)
