@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conformance.cases.catalog import all_cases
+from conformance.cli.usage import UsageError
+from conformance.golden.regen import regenerate
+from conformance.golden.store import default_root
+from conformance.session import pick_cases
+
 
 def register(sub) -> None:
     p = sub.add_parser("regen", help="regenerate goldens (deterministic; --check to verify, --accept to overwrite)")
@@ -31,11 +37,6 @@ _SAY = {
 
 
 def run(args) -> int:
-    from conformance.cases.core import all_cases
-    from conformance.cli.run import pick_cases
-    from conformance.cli.usage import UsageError
-    from conformance.golden.store import default_root, regenerate
-
     if args.check and args.accept:
         raise UsageError("--check writes nothing; it cannot be combined with --accept")
     cases = pick_cases(args.config, args.cases)
@@ -80,7 +81,8 @@ def _fixes(bad, args) -> list[str]:
     if relist:
         fixes.append(f"k3conf regen{out_opt} --cases " + " ".join(f"'{c}'" for c in relist))
     if rewrite:
-        fixes.append(f"inspect the drift, then k3conf regen --accept{out_opt} --cases " + " ".join(f"'{c}'" for c in rewrite))
+        names = " ".join(f"'{c}'" for c in rewrite)
+        fixes.append(f"inspect the drift, then k3conf regen --accept{out_opt} --cases {names}")
     if any(o.status in ("stale", "leftover") for o in bad):
         fixes.append(f"k3conf regen{out_opt} (prunes stale entries, removes leftover temporary files)")
     return fixes

@@ -5,7 +5,10 @@ from pathlib import Path
 
 import numpy as np
 
+from conformance.cases.catalog import all_cases
 from conformance.cli.usage import UsageError
+from conformance.golden.errors import GoldenError
+from conformance.golden.store import GROUPS, default_root, read_golden
 
 
 def register(sub) -> None:
@@ -29,9 +32,6 @@ def stats(a: np.ndarray) -> str:
 
 
 def run(args) -> int:
-    from conformance.cases.core import all_cases
-    from conformance.golden.store import GoldenError, default_root, read_golden
-
     names = [c.name for c in all_cases(args.config)]
     if args.case not in names:
         near = [n for n in names if n.split("/")[0] == args.case.split("/")[0]] or names[:10]
@@ -44,7 +44,7 @@ def run(args) -> int:
     for k, v in sorted(g.meta.items()):
         print(f"  {k}: {v}")
     width = max(map(len, g.tensors))
-    for name in sorted(g.tensors, key=lambda n: (["inputs", "weights", "inter", "outputs"].index(n.split(".")[0]), n)):
+    for name in sorted(g.tensors, key=lambda n: (GROUPS.index(n.split(".")[0]), n)):
         a = g.tensors[name]
         print(f"  {name:<{width}}  {str(a.dtype):8s} {str(list(a.shape)):18s} {stats(a)}")
     return 0

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from conformance.cases.core import all_cases, select
+from conformance.cases.catalog import all_cases, select
 from conformance.cli import main
 from conformance.golden import store as goldens
-from conformance.golden.store import COMMITTED_ROOT, GoldenError, decode, encode, read_golden, regenerate
+from conformance.golden.drift import ROUNDING_DRIFT, diff_tensors, is_rounding_only
+from conformance.golden.regen import regenerate
+from conformance.golden.store import COMMITTED_ROOT, GoldenError, decode, encode, read_golden
 
 CASE = "rmsnorm/T1-D113"
 FIX = f"k3conf regen --cases '{CASE}'"
@@ -245,3 +247,32 @@ def test_rounding_level_drift_keeps_the_file_unless_accepted(root):
     assert o.status == "rounding" and path.read_bytes() == nudged
     (o,) = regenerate(select(all_cases("tiny"), [CASE]), root, accept=True)
     assert o.status == "accepted" and path.read_bytes() == fresh
+
+
+def _margin_drift(old: dict, name: str, moved: float):
+    new = {**old, name: old[name] + moved}
+    (d,) = diff_tensors(old, new)
+    return d, is_rounding_only([d], {}, {})
+
+
+@pytest.mark.parametrize("name", ["inter.argmax.step1.margin", "inter.route.step1.layer04.margin"])
+def test_a_margin_is_judged_at_the_scale_of_its_scores(rng, name):
+    """A margin is the difference of two nearly equal scores: a last-bits change of the scores is a large
+    fraction of a small margin, yet rounding. A real change still is drift."""
+    logits = rng.standard_normal(97)   # scores of order 1 (the argmax margin's are the golden's step logits)
+    old = {"outputs.step1.logits": logits, name: np.array([1.2e-3])}
+    d, rounding = _margin_drift(old, name, 1e-14)
+    assert d.rel_rms > ROUNDING_DRIFT and rounding, d.line()      # relative to itself it would be drift
+    assert "at the scale of its scores" in d.line()
+    d, rounding = _margin_drift(old, name, 1e-6)
+    assert d.rounding_rms > ROUNDING_DRIFT and not rounding, d.line()
+
+
+def test_only_margins_are_judged_at_the_scale_of_scores(rng):
+    """The same change on a small tensor that is not a margin, or on a margin whose scores the golden does
+    not hold, is judged relative to itself: drift."""
+    old = {"outputs.step1.logits": rng.standard_normal(97), "outputs.small": np.array([1.2e-3]),
+           "inter.argmax.step2.margin": np.array([1.2e-3])}
+    for name in ("outputs.small", "inter.argmax.step2.margin"):
+        d, rounding = _margin_drift(old, name, 1e-14)
+        assert d.score_scale is None and not rounding, d.line()

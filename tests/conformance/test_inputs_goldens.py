@@ -14,13 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.cases.core import all_cases, select
+from conformance import report as rep
+from conformance.cases.catalog import all_cases, select
 from conformance.cli import main
+from conformance.golden import durable
 from conformance.golden import store as goldens
-from conformance.golden.store import GoldenError, decode, encode, read_golden, regenerate
+from conformance.golden.regen import regenerate
+from conformance.golden.store import GoldenError, decode, encode, read_golden
 from conformance.runner import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +32,9 @@ CASE = "rmsnorm/T1-D113"
 # the cases an interrupted regen rewrites: a slow trace (so a kill lands inside the work) and two quick ones
 KILL_CASES = ["trace/free-P7-D5", "rmsnorm/T1-D113", "situ_glu/T1-I113"]
 HOSTILE = settings(settings.get_profile("hostile-inputs"))
+# a bound on how long a subprocess may take once the test has seen it reach the point it waits for: a guard
+# against a hang, not a synchronisation (every step waits for an event the process reports)
+HANG_S = 600
 
 
 def _resign(root: Path, case: str, blob: bytes) -> None:
@@ -68,8 +75,12 @@ def _env() -> dict:
 
 _KILL_AT = """
 import os, signal, sys
-import conformance.golden.store as g
+import conformance.golden.durable as durable
+import conformance.golden.regen as regen
 where, n, sig = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# Ctrl-C as at a terminal: a process started in the background (a CI step, `pytest &`) inherits SIGINT
+# ignored, and Python then keeps ignoring it, so the interrupt this test sends would never land
+signal.signal(signal.SIGINT, signal.default_int_handler)
 done = [0]
 def hook(orig):
     def call(*args):
@@ -85,9 +96,9 @@ def hook(orig):
         return out
     return call
 if where == "build_blob":
-    g.build_blob = hook(g.build_blob)
+    regen.build_blob = hook(regen.build_blob)
 else:
-    g.Staged.commit = hook(g.Staged.commit)
+    durable.Staged.commit = hook(durable.Staged.commit)
 from conformance.cli import main
 sys.exit(main(sys.argv[4:]))
 """
@@ -105,7 +116,7 @@ def _regen_accept(root: Path, sig: int, *, after_s: float | None = None, at: tup
     if after_s is not None:
         time.sleep(after_s)
         proc.send_signal(sig)
-    return proc.wait(timeout=60)
+    return proc.wait(timeout=HANG_S)
 
 
 @pytest.mark.parametrize("sig, after_s, at", [
@@ -136,7 +147,8 @@ def test_ctrl_c_between_renames_still_commits_everything(root):
     """Ctrl-C is held back while the files and the manifest are renamed: all of them land, then it stops."""
     for case in KILL_CASES:
         _edit(root, case, fn_meta=lambda m: {**m, "seed": "99"})
-    assert _regen_accept(root, signal.SIGINT, at=("commit", 1)) != 0
+    # the interrupt, held back during the renames, is delivered once they are done: Python dies of it
+    assert _regen_accept(root, signal.SIGINT, at=("commit", 1)) == -signal.SIGINT
     for case in KILL_CASES:
         assert read_golden(root, case).meta["seed"] != "99", case
 
@@ -152,49 +164,66 @@ def test_leftover_temporary_file_is_listed_then_removed(root, capsys):
 
 # ----- concurrent regeneration -----
 
-_SLOW_FIRST_CASE = """
-import sys, time
-import conformance.golden.store as g
-orig, calls = g.build_blob, [0]
-def build_blob(case):   # the first case takes 3 s: the other regen starts while this one holds what it read
+_HOLD_FIRST_CASE = """
+import sys
+import conformance.golden.regen as regen
+orig, calls = regen.build_blob, [0]
+def build_blob(case):   # the first case is computed under the directory lock: say so, hold it until told to go on
     calls[0] += 1
     if calls[0] == 1:
-        time.sleep(3)
+        print("holding the lock", flush=True)
+        sys.stdin.readline()
     return orig(case)
-g.build_blob = build_blob
+regen.build_blob = build_blob
 from conformance.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
+def _read_until(stream, text: str) -> bool:
+    """Read lines of a subprocess's output until one holds `text` (True) or the stream ends (False)."""
+    for line in stream:
+        if text in line:
+            return True
+    return False
+
+
 def test_concurrent_regens_keep_every_manifest_entry(tmp_path):
+    """A regen into a directory another regen is writing waits for it, then adds to its manifest. The second
+    starts once the first reports that it holds the lock, and the first goes on once the second reports
+    that it waits: the overlap is certain, whatever the machine's load."""
     root = tmp_path / "g"
     groups = [["rmsnorm"], ["situ_glu"]]
-    procs = []
-    for g in groups:
-        procs.append(subprocess.Popen([sys.executable, "-c", _SLOW_FIRST_CASE, "regen", "--out", str(root),
-                                       "--cases", *g], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        time.sleep(1.5)
-    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    argv = ["regen", "--out", str(root), "--cases"]
+    first = subprocess.Popen([sys.executable, "-c", _HOLD_FIRST_CASE, *argv, *groups[0]], env=_env(), text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert _read_until(first.stdout, "holding the lock"), f"the first regen exited with {first.wait()}"
+    second = subprocess.Popen([sys.executable, "-m", "conformance", *argv, *groups[1]], env=_env(), text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert _read_until(second.stderr, "waiting for another regeneration"), f"second: exit {second.wait()}"
+    first.stdin.write("go on\n")
+    first.stdin.close()
+    assert first.wait(timeout=HANG_S) == 0 and second.wait(timeout=HANG_S) == 0
+    first.stdout.close()
+    second.stderr.close()
     listed = set(json.loads((root / "MANIFEST.json").read_text())["files"])
     on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*.safetensors")}
     want = {c.name + ".safetensors" for c in select(all_cases("tiny"), [b for g in groups for b in g])}
     assert listed == on_disk == want
-    assert b"waiting for another regeneration" in procs[1].stderr.read()
 
 
 def test_a_held_lock_refuses_or_waits(tmp_path):
-    with goldens.regen_lock(tmp_path):
-        with pytest.raises(goldens.RegenBusy, match="another `k3conf regen` is writing"):
-            with goldens.regen_lock(tmp_path, wait=False):
+    with durable.regen_lock(tmp_path):
+        with pytest.raises(durable.RegenBusy, match="another `k3conf regen` is writing"):
+            with durable.regen_lock(tmp_path, wait=False):
                 pass
-    with goldens.regen_lock(tmp_path, wait=False):   # released: free again
+    with durable.regen_lock(tmp_path, wait=False):   # released: free again
         pass
-    with goldens.regen_lock(tmp_path, shared=True):   # readers (--check) share; a writer must wait for them
-        with goldens.regen_lock(tmp_path, wait=False, shared=True):
+    with durable.regen_lock(tmp_path, shared=True):   # readers (--check) share; a writer must wait for them
+        with durable.regen_lock(tmp_path, wait=False, shared=True):
             pass
-        with pytest.raises(goldens.RegenBusy):
-            with goldens.regen_lock(tmp_path, wait=False):
+        with pytest.raises(durable.RegenBusy):
+            with durable.regen_lock(tmp_path, wait=False):
                 pass
 
 
@@ -303,8 +332,6 @@ def test_options_are_checked_before_running(root, tmp_path, capsys):
 
 
 def test_failed_report_write_keeps_exit_1_and_writes_none(root, tmp_path, capsys, monkeypatch):
-    from conformance import report as rep
-
     _edit(root, CASE, _nan_output)
     out = tmp_path / "rep"
 
@@ -367,15 +394,14 @@ def test_fuzzed_golden_fails_only_with_a_golden_error_naming_the_file(fresh, tmp
     except GoldenError as e:
         assert str(path) in str(e) and f"--cases '{CASE}'" in str(e)
     else:   # accepted: it must then be a golden the safetensors library reads the same way
-        import safetensors.numpy
-
         lib = safetensors.numpy.load(blob)
         assert sorted(lib) == sorted(g.tensors)
 
 
 @HOSTILE
 @given(doc=st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+                        lambda kids: (st.lists(kids, max_size=3)
+                                      | st.dictionaries(st.text(max_size=8), kids, max_size=3)),
                         max_leaves=12))
 def test_fuzzed_manifest_fails_only_with_a_golden_error(fresh, tmp_path_factory, doc):
     root = tmp_path_factory.mktemp("fuzzm")
