@@ -1,21 +1,23 @@
 """Reports of a run: a rich terminal table, and report.json / report.md / report.html under --report DIR.
 
 Every report names the first failing (case, backend, tensor) at the top. The HTML is self-contained:
-inline CSS and, for cases whose tensors carry a layer index (model traces: `layer03.*`), an inline SVG
-plot of the relative RMS error per layer for each backend — no network, no JavaScript.
+inline CSS and, for cases whose tensors carry a layer index (model traces: `step1.layer03.*`, read by
+conformance.cases.trace_names), an inline SVG plot of the relative RMS error per layer for each backend — no
+network, no JavaScript.
 """
 from __future__ import annotations
 
 import html
 import json
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from conformance.runner import CaseResult, RunReport
+from conformance.results import CaseResult, RunReport
 
 
 def _cell(r: CaseResult) -> str:
@@ -70,13 +72,14 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         for b in backends:
             r = cells.get((c, b))
             text = "-" if r is None else _cell(r)
-            color = {"pass": "green", "skip": "yellow", "n/a": "cyan"}.get(getattr(r, "status", None), "red")
+            color = {"pass": "green", "skip": "yellow", "n/a": "cyan"}.get("" if r is None else r.status, "red")
             row.append(f"[{color}]{text}[/]")
         table.add_row(*row)
     console.print(table)
-    for b in report.backends:
-        if not b["available"]:
-            console.print(f"skipped {b['name']}: {b['reason']}", style="yellow", highlight=False, markup=False)
+    for row_of in report.backends:
+        if not row_of["available"]:
+            console.print(f"skipped {row_of['name']}: {row_of['reason']}", style="yellow", highlight=False,
+                          markup=False)
     for note in baseline_notes(report):
         console.print(note, style="yellow", highlight=False, markup=False)
     for line in flip_lines(report):
@@ -107,15 +110,13 @@ def flip_lines(report: RunReport) -> list[str]:
 
 
 def _isatty() -> bool:
-    import sys
-
     return sys.stdout.isatty()
 
 
 def baseline_notes(report: RunReport) -> list[str]:
     """One line per precision whose baseline could not run (its rows used the absolute cap alone), and the
     notes of the results (e.g. a trace core that fell back to the reference)."""
-    notes = set()
+    notes: set[str] = set()
     for r in report.results:
         notes.update(f"{r.case} on {r.backend}: {n}" for n in r.notes)
         if r.status == "n/a":
@@ -200,19 +201,22 @@ def speed_text(sp) -> str:
 def markdown(report: RunReport) -> str:
     """The report as Markdown: first failure, per-result table, skipped backends, gate reasons."""
     lines = [f"# k3conf run ({report.config})", "", f"**{report.first_failure_line()}**", ""]
-    c = report.counts()
-    lines += [f"Results (case, backend): **{c['pass']} pass, {c['fail']} fail, {c['n/a']} n/a, {c['skip']} skip** "
-              f"of {c['total']}" + (f" ({c['error']} of the failures are errors)" if c["error"] else "") + ".", ""]
+    cnt = report.counts()
+    lines += [f"Results (case, backend): **{cnt['pass']} pass, {cnt['fail']} fail, {cnt['n/a']} n/a, "
+              f"{cnt['skip']} skip** of {cnt['total']}"
+              + (f" ({cnt['error']} of the failures are errors)" if cnt["error"] else "") + ".", ""]
     lines += [f"- K3_STRICT=1: {m}" for m in report.strict_missing]
     lines += [f"- skipped `{b['name']}`: {b['reason']}" for b in report.backends if not b["available"]]
     lines += [f"- {n}" for n in baseline_notes(report)]
     lines += [f"- {n}" for n in flip_lines(report)]
-    lines += ["", "| case | backend | status | tensor | max abs | rel RMS | bound | passed | worst (out vs ref) | speed |",
+    lines += ["",
+              "| case | backend | status | tensor | max abs | rel RMS | bound | passed | worst (out vs ref) | speed |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.results:
         sp = "-" if r.speed is None else speed_text(r.speed)
         if r.status in ("error", "skip", "n/a"):
-            lines.append(f"| {r.case} | {r.backend} | {r.status.upper()} | - | - | - | - | - | {r.error.replace('|', '/')} | - |")
+            error = r.error.replace("|", "/")
+            lines.append(f"| {r.case} | {r.backend} | {r.status.upper()} | - | - | - | - | - | {error} | - |")
             continue
         for t in r.tensors:
             c = t.comparison
@@ -243,7 +247,8 @@ _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.3em} .first{padding:.6em;border-radius:4px;font-weight:bold}
 .bad{background:#fde2e2;color:#8b0000} .good{background:#e3f6e3;color:#1d5e1d}
 table{border-collapse:collapse;font-size:.85em;margin:1em 0} td,th{border:1px solid #ccc;padding:2px 6px}
-th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold} td.skip{color:#8a6d00} td.na{color:#2a6f8a}
+th{background:#f3f3f3} td.pass{color:#1d5e1d} td.fail,td.error{color:#b00000;font-weight:bold}
+td.skip{color:#8a6d00} td.na{color:#2a6f8a}
 .note{color:#8a6d00} svg{background:#fff;border:1px solid #ddd;margin:.5em 0}"""
 
 
@@ -254,14 +259,14 @@ def html_report(report: RunReport) -> str:
     out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>k3conf report</title>",
            f"<style>{_CSS}</style></head><body>", f"<h1>k3conf run ({e(report.config)})</h1>",
            f"<p class='first {cls}'>{e(report.first_failure_line())}</p>"]
-    c = report.counts()
-    out.append(f"<p>Results (case, backend): <b>{c['pass']} pass, {c['fail']} fail, {c['n/a']} n/a, {c['skip']} "
-               f"skip</b> of {c['total']}" + (f" ({c['error']} of the failures are errors)" if c["error"] else "")
-               + ".</p>")
+    cnt = report.counts()
+    out.append(f"<p>Results (case, backend): <b>{cnt['pass']} pass, {cnt['fail']} fail, {cnt['n/a']} n/a, "
+               f"{cnt['skip']} skip</b> of {cnt['total']}"
+               + (f" ({cnt['error']} of the failures are errors)" if cnt["error"] else "") + ".</p>")
     out += [f"<p class='first bad'>K3_STRICT=1: {e(m)}</p>" for m in report.strict_missing]
-    for b in report.backends:
-        if not b["available"]:
-            out.append(f"<p class='note'>skipped {e(b['name'])}: {e(b['reason'])}</p>")
+    for row_of in report.backends:
+        if not row_of["available"]:
+            out.append(f"<p class='note'>skipped {e(row_of['name'])}: {e(row_of['reason'])}</p>")
     out += [f"<p class='note'>{e(n)}</p>" for n in baseline_notes(report)]
     out += [f"<p class='first bad'>{e(n)}</p>" for n in flip_lines(report)]
     out += _layer_plots(report)
@@ -279,17 +284,18 @@ def html_report(report: RunReport) -> str:
                "<th>bound</th><th>passed</th><th>rule</th><th>speed</th></tr>")
     for r in report.results:
         if r.status in ("error", "skip", "n/a"):
-            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='{r.status.replace('/', '')}'>"
+            css = r.status.replace("/", "")
+            out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend)}</td><td>-</td><td class='{css}'>"
                        f"{r.status.upper()}</td><td colspan='6'>{e(r.error)}</td></tr>")
         for t in r.tensors:
-            c = t.comparison
+            cmp = t.comparison
             st = "pass" if t.passed else "fail"
             role = " (baseline)" if r.role == "baseline" else ""
             rule = (f"{t.note}; " if t.note else "") + t.verdict.why
             out.append(f"<tr><td>{e(r.case)}</td><td>{e(r.backend + role)}</td><td>{e(t.tensor)}</td>"
                        f"<td class='{st}'>{e(_verdict(t))}</td>"
-                       f"<td>{_fmt(c.max_abs)}</td><td>{_fmt(c.rel_rms)}{e(versus(t))}</td><td>{_fmt(t.verdict.bound)}</td>"
-                       f"<td>{e(c.passed_line)}</td><td>{e(rule)}</td>"
+                       f"<td>{_fmt(cmp.max_abs)}</td><td>{_fmt(cmp.rel_rms)}{e(versus(t))}</td>"
+                       f"<td>{_fmt(t.verdict.bound)}</td><td>{e(cmp.passed_line)}</td><td>{e(rule)}</td>"
                        f"<td>{'-' if r.speed is None else e(speed_text(r.speed))}</td></tr>")
     out.append("</table></body></html>\n")
     return "\n".join(out)
@@ -312,7 +318,7 @@ def _layer_plots(report: RunReport) -> list[str]:
 def svg_plot(title: str, per_backend: dict[str, dict[int, float]], width: int = 560, height: int = 240) -> str:
     """An inline SVG line plot: x = layer, y = log10(rel RMS error) (clipped to 1e-18 .. 1e3), one line per backend."""
     pad_l, pad_r, pad_t, pad_b = 48, 110, 24, 30
-    layers = sorted({l for s in per_backend.values() for l in s})
+    layers = sorted({layer for s in per_backend.values() for layer in s})
 
     def lg(v: float) -> float:   # clipped to [1e-18, 1e3]: an overflowed (inf) error is drawn at the top
         return math.log10(min(max(v, 1e-18), 1e3)) if not math.isnan(v) else 3.0
@@ -322,8 +328,8 @@ def svg_plot(title: str, per_backend: dict[str, dict[int, float]], width: int = 
     hi = hi if hi > lo else lo + 1
     x0, x1 = layers[0], max(layers[-1], layers[0] + 1)
 
-    def px(l):
-        return pad_l + (l - x0) / (x1 - x0) * (width - pad_l - pad_r)
+    def px(layer):
+        return pad_l + (layer - x0) / (x1 - x0) * (width - pad_l - pad_r)
 
     def py(y):
         return pad_t + (hi - y) / (hi - lo) * (height - pad_t - pad_b)
@@ -334,12 +340,13 @@ def svg_plot(title: str, per_backend: dict[str, dict[int, float]], width: int = 
     for y in range(lo, hi + 1):
         parts.append(f"<line x1='{pad_l}' x2='{width - pad_r}' y1='{py(y):.1f}' y2='{py(y):.1f}' stroke='#eee'/>"
                      f"<text x='4' y='{py(y) + 4:.1f}' font-size='10'>1e{y}</text>")
-    for l in layers:
-        parts.append(f"<text x='{px(l) - 4:.1f}' y='{height - 10}' font-size='10'>{l}</text>")
+    for layer in layers:
+        parts.append(f"<text x='{px(layer) - 4:.1f}' y='{height - 10}' font-size='10'>{layer}</text>")
     for i, (backend, s) in enumerate(sorted(per_backend.items())):
         color = _COLORS[i % len(_COLORS)]
-        pts = " ".join(f"{px(l):.1f},{py(lg(s[l])):.1f}" for l in sorted(s))
+        pts = " ".join(f"{px(layer):.1f},{py(lg(s[layer])):.1f}" for layer in sorted(s))
         parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/>")
-        parts.append(f"<text x='{width - pad_r + 6}' y='{pad_t + 14 * i + 8}' font-size='11' fill='{color}'>{e(backend)}</text>")
+        parts.append(f"<text x='{width - pad_r + 6}' y='{pad_t + 14 * i + 8}' font-size='11' fill='{color}'>"
+                     f"{e(backend)}</text>")
     parts.append("</svg>")
     return "".join(parts)

@@ -1,16 +1,8 @@
-"""Conformance cases: what each golden holds, how it is generated, and how a backend is run on it.
+"""The `core` kind: one core of `k3ref.cores.Cores` called on seeded arrays and scalar kwargs.
 
-A *case* is one golden file: a name `<block>/<id>` (e.g. `kda_decode/B2-H3-K16`), a config (`tiny` is
-committed, `small` is generated into a cache), a seed, and the *kind* that knows how to build its data,
-compute its float64 golden and run a backend on it. Kinds are registered in `KINDS` (`register_kind`);
-the runner and the regeneration tool only talk to the `CaseKind` protocol, so adding model traces is
-one more registered kind (docs/runner.md shows the API).
-
-Kinds here:
-- `core`: one core of `k3ref.cores.Cores` called on seeded arrays (`inputs.*`) and scalar kwargs; the
-  backend's core is called with the same keyword arguments, inputs cast to its precision.
-- `latent_moe`: the LatentMoE layer `k3ref.latent_moe.latent_moe_forward` over a small config, with its
-  weights in the golden (`weights.*`), run on the backend's cores (router, MXFP4 GEMV, SiTU, RMSNorm).
+A core case's golden holds the arrays (`inputs.*`), the core's float64 outputs (`outputs.*`) and, for KDA, a few
+float64 intermediates for `k3conf show` (`inter.*`); the backend's core is called with the same keyword
+arguments, inputs cast to its precision (conformance.cases.inputs).
 
 The data is chosen to expose known bugs: a KDA head with tiny-norm q/k (the L2 eps decides its output),
 gate pre-activations that saturate at the lower bound, a router bias that changes the selection while
@@ -21,154 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 import ml_dtypes
 import numpy as np
 
+import k3cuda
+from conformance.cases.inputs import cast, fp32_kept, nbytes
+from conformance.cases.protocol import Case, Content, Evaluation, KindBase, case_seed
+from conformance.cases.routes import route_canonical, route_stable
+from k3ref import kda, ops
 from k3ref.cache import paged_latent_cache
 from k3ref.cores import Cores, reference_cores
+from k3ref.latent_moe import sigmoid_topk
 
-GENERATOR_VERSION = "k3conf-cases/1"   # bump when the data or the way a golden is computed changes
-CONFIGS = ("tiny", "small")
-PLUGIN_MODULES = ("conformance.cases.traces",)   # kinds registered by other modules, imported when present
-NOTES_KEY = "__notes__"   # evaluate() may return notes (a list of str) under this key, shown with the result
-# evaluate() may return a dict under INFO_KEY: "kernels_ran" (the kernel cores that ran at least once; none:
-# the cell is n/a), "tensor_notes" (tensor -> a line shown with its verdict), "flips" and "teacher_forced"
-INFO_KEY = "__info__"
 # A core case's kwarg naming the kernel entry it must exercise (case param `entry`): not passed to the core;
 # the run is wrapped in k3cuda.force_entry(block, entry), which only the CUDA cores read.
 ENTRY_KEY = "kernel_entry"
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One golden: `name` = '<block>/<id>', the kind that handles it, its config, seed and parameters."""
-
-    name: str
-    kind: str
-    config: str
-    seed: int
-    params: Mapping = dataclasses.field(default_factory=dict)
-
-    @property
-    def block(self) -> str:
-        return self.name.split("/", 1)[0]
-
-
-@dataclasses.dataclass
-class Content:
-    """What a kind generates for one case: tensors by full name and the scalar kwargs (JSON-able)."""
-
-    tensors: dict[str, np.ndarray]
-    kwargs: dict
-
-
-class CaseKind(Protocol):
-    """What the runner and the regeneration tool need from a kind of case."""
-
-    name: str
-
-    def cases(self, config: str) -> list[Case]:
-        """Every case of this kind for `config` (deterministic order)."""
-
-    def generate(self, case: Case) -> Content:
-        """The float64 golden content: inputs (+ weights, inter) and outputs computed by k3ref."""
-
-    def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
-        """Run `backend` on the golden's inputs; return outputs by name (without the 'outputs.' prefix).
-
-        May add NOTES_KEY: a list of lines the report shows with the result (e.g. cores that fell back)."""
-
-    def block_of(self, case: Case, tensor: str) -> str:
-        """The block a tensor belongs to (gate row and the name in a first-failure line)."""
-
-    def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
-        """(median seconds, bytes moved) of the backend on this case, or None when not timed."""
-
-    def cores_of(self, case: Case) -> frozenset[str]:
-        """The cores the case exercises: a backend supplying none of them itself gets "n/a (reference core)".
-        Optional; a kind without it exercises every core. Also optional: is_gated(case, tensor) -> bool (False:
-        reported, never failing) and gate_tensor(case, tensor) -> str (the name gate rows are looked up by)."""
-
-
-KINDS: dict[str, CaseKind] = {}
-
-
-def register_kind(kind: CaseKind) -> None:
-    """Register a kind (replacing one of the same name); its cases join `all_cases`."""
-    KINDS[kind.name] = kind
-
-
-def load_plugins() -> None:
-    """Import PLUGIN_MODULES (when present): they register kinds, gate rows and mutants at import time."""
-    for mod in PLUGIN_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-
-
-def all_cases(config: str = "tiny") -> list[Case]:
-    """Every case of every registered kind for `config`, in registration order."""
-    if config not in CONFIGS:
-        raise ValueError(f"config: expected one of {CONFIGS}, found {config!r}")
-    load_plugins()
-    return [c for kind in KINDS.values() for c in kind.cases(config)]
-
-
-def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:
-    """Cases whose name matches any glob in `patterns` (all when None/empty); a bare block name matches its cases."""
-    if not patterns:
-        return list(cases)
-    pats = [p if any(ch in p for ch in "*?[/") else p + "/*" for p in patterns]
-    return [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in pats)]
-
-
-def kind_of(case: Case) -> CaseKind:
-    return KINDS[case.kind]
-
-
-# --------------------------------------------------------------------------------------------------
-# precision casts shared by the kinds
-
-
-def cast(a: np.ndarray, precision: str) -> np.ndarray:
-    """Float arrays to the backend precision (bf16: values rounded to bf16, held as float32); ints untouched."""
-    a = np.asarray(a)
-    if a.dtype.kind != "f":
-        return a
-    if precision == "fp64":
-        return a.astype(np.float64)
-    if precision == "fp32":
-        return a.astype(np.float32)
-    if precision == "bf16":
-        return a.astype(ml_dtypes.bfloat16).astype(np.float32)
-    raise ValueError(f"precision: expected fp64, fp32 or bf16, found {precision!r}")
-
-
-# Checkpoint tensors K3 stores in F32 (DESIGN.md section 7): a bf16 backend receives them in fp32, not rounded.
-F32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
-
-
-def cast_weights(weights: Mapping[str, np.ndarray], precision: str) -> dict[str, np.ndarray]:
-    """Checkpoint weights (module-local or full names) to the backend precision; F32 tensors stay fp32 at bf16."""
-    keep32 = "fp32" if precision == "bf16" else precision
-    return {k: cast(v, keep32 if k.endswith(F32_SUFFIXES) else precision) for k, v in weights.items()}
-
-
-def nbytes(arrays) -> int:
-    return int(sum(np.asarray(a).nbytes for a in arrays))
-
-
-# --------------------------------------------------------------------------------------------------
-# the `core` kind: one core on seeded inputs
-
 
 @dataclasses.dataclass(frozen=True)
 class CoreSpec:
@@ -192,10 +54,10 @@ def _named(outputs: tuple[str, ...], result) -> dict[str, np.ndarray]:
     vals = result if isinstance(result, tuple) else (result,)
     if len(vals) != len(outputs):
         raise ValueError(f"core returned {len(vals)} value(s), expected {len(outputs)} ({', '.join(outputs)})")
-    return {n: np.asarray(v) for n, v in zip(outputs, vals)}
+    return {n: np.asarray(v) for n, v in zip(outputs, vals, strict=True)}
 
 
-class CoreKind:
+class CoreKind(KindBase):
     """Cases that call one core directly. Case params are the keyword arguments of CoreSpec.make."""
 
     name = "core"
@@ -205,7 +67,7 @@ class CoreKind:
         self.table = dict(table)      # config -> [(case name, params)]
 
     def cases(self, config: str) -> list[Case]:
-        return [Case(name, self.name, config, _seed(name), params) for name, params in self.table.get(config, [])]
+        return [Case(name, self.name, config, case_seed(name), params) for name, params in self.table.get(config, [])]
 
     def _run(self, case: Case, cores: Cores, inputs: dict, kwargs: dict) -> dict[str, np.ndarray]:
         spec = self.specs[case.block]
@@ -235,15 +97,12 @@ class CoreKind:
                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         golden.require([f"inputs.{n}" for n in needed] + [f"outputs.{o}" for o in spec.outputs])
         p = backend.precision
-        keep = spec.fp32_inputs if p == "bf16" else ()
-        return {k: cast(v, "fp32" if k in keep else p) for k, v in golden.group("inputs").items()}, golden.kwargs
+        return ({k: cast(v, fp32_kept(p) if k in spec.fp32_inputs else p) for k, v in golden.group("inputs").items()},
+                golden.kwargs)
 
-    def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
+    def evaluate(self, case: Case, golden, backend) -> Evaluation:
         inputs, kwargs = self._inputs(golden, backend)
-        return self._run(case, backend.cores(), inputs, kwargs)
-
-    def block_of(self, case: Case, tensor: str) -> str:
-        return case.block
+        return Evaluation(self._run(case, backend.cores(), inputs, kwargs))
 
     def cores_of(self, case: Case) -> frozenset[str]:
         return frozenset({self.specs[case.block].core})
@@ -265,8 +124,6 @@ def _forced_entry(core: str, entry: str | None):
     """k3cuda.force_entry(core, entry) when a case names an entry, else a no-op context."""
     if entry is None:
         return contextlib.nullcontext()
-    import k3cuda
-
     return k3cuda.force_entry(core, entry)
 
 
@@ -275,16 +132,9 @@ def _f64(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float64) if a.dtype.kind == "f" else a
 
 
-def _seed(name: str) -> int:
-    """A stable per-case seed from its name (no Python hash randomisation)."""
-    return int.from_bytes(name.encode(), "little") % (2 ** 31 - 1)
-
-
 def _inter(block: str, inputs: dict, kwargs: dict) -> dict[str, np.ndarray]:
     """Float64 intermediates worth keeping for `k3conf show` (not compared: cores do not return them)."""
     if block in ("kda_decode", "kda_prefill"):
-        from k3ref import kda, ops
-
         return {
             "g": kda.kda_gate(inputs["g_raw"], inputs["A_log"], inputs["dt_bias"], kwargs["lower_bound"]),
             "beta": ops.sigmoid(inputs["beta_raw"]),
@@ -358,37 +208,16 @@ def _mxfp4_gemv(rng, N, K, lead=()):
     return {"packed": packed, "scale": scale, "x": rng.standard_normal(tuple(lead) + (K,))}, {}
 
 
-def _route_stable(logits, bias, kw) -> bool:
-    """True when the selection survives bf16 rounding and +-0.005 noise on the logits (no near-ties)."""
-    from k3ref.latent_moe import sigmoid_topk
-
-    _, ref = sigmoid_topk(logits, bias, **kw)
-    variants = [cast(logits, "bf16").astype(np.float64), cast(logits, "fp32").astype(np.float64)]
-    noise = np.random.default_rng(0)
-    variants += [logits + noise.uniform(-0.005, 0.005, logits.shape) for _ in range(4)]
-    return all(np.array_equal(np.sort(sigmoid_topk(v, cast(bias, "bf16"), **kw)[1], -1), np.sort(ref, -1))
-               for v in variants)
-
-
 def _moe_route(rng, T, E, top_k, n_group=1, topk_group=1, renormalize=True, scaling=1.0):
-    from k3ref.latent_moe import sigmoid_topk
-
     kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, renormalize=renormalize, scaling=scaling)
     for _ in range(1000):
         logits = 1.5 * rng.standard_normal((T, E))
         bias = 0.2 * rng.standard_normal(E)
         # the bias must change the selection somewhere, or a bias bug would go unseen
         changed = not np.array_equal(sigmoid_topk(logits, bias, **kw)[1], sigmoid_topk(logits, 0 * bias, **kw)[1])
-        if changed and _route_stable(logits, bias, kw):
+        if changed and route_stable(logits, bias, kw):
             return {"logits": logits, "bias": bias}, kw
     raise RuntimeError(f"no stable routing found for T={T} E={E} k={top_k}")
-
-
-def _route_canonical(out: dict) -> dict:
-    """Sort each token's (index, weight) pairs by expert index: any top-k order is right."""
-    order = np.argsort(out["indices"], axis=-1, kind="stable")
-    return {"weights": np.take_along_axis(out["weights"], order, -1),
-            "indices": np.take_along_axis(out["indices"], order, -1)}
 
 
 def _attnres_mix(rng, S, lead, D, mix=1.0, eps=1e-5):
@@ -407,7 +236,7 @@ CORE_SPECS: dict[str, CoreSpec] = {
     "kda_prefill": CoreSpec("kda_prefill", ("o", "state"), _kda_prefill, fp32_inputs=_KDA_FP32),
     "mla_decode": CoreSpec("mla_decode", ("o_lat",), _mla_decode),
     "mxfp4_gemv": CoreSpec("mxfp4_gemv", ("y",), _mxfp4_gemv),
-    "moe_route": CoreSpec("moe_route", ("weights", "indices"), _moe_route, _route_canonical, ("logits", "bias")),
+    "moe_route": CoreSpec("moe_route", ("weights", "indices"), _moe_route, route_canonical, ("logits", "bias")),
     "attnres_mix": CoreSpec("attnres_mix", ("out",), _attnres_mix),
 }
 
@@ -466,81 +295,3 @@ CORE_TABLE: dict[str, list[tuple[str, dict]]] = {
     ],
 }
 
-
-# --------------------------------------------------------------------------------------------------
-# the `latent_moe` kind: the whole LatentMoE layer over a small config, weights in the golden
-
-
-class LatentMoeKind:
-    """`latent_moe/*`: latent_moe_forward(weights, x, cfg, cores) with the backend's cores."""
-
-    name = "latent_moe"
-    TABLE: dict[str, list[tuple[str, dict]]] = {
-        "tiny": [
-            ("latent_moe/T5-D67-E8-k2-L32-I32-S1", dict(T=5, cfg=dict(
-                hidden_size=67, num_experts=8, top_k=2, latent_size=32, moe_intermediate_size=32,
-                n_shared_experts=1, shared_intermediate_size=48))),
-            ("latent_moe/T3-D48-E8-k2-G2-g1-norenorm", dict(T=3, cfg=dict(
-                hidden_size=48, num_experts=8, top_k=2, latent_size=64, moe_intermediate_size=32,
-                n_shared_experts=2, shared_intermediate_size=16, n_group=2, topk_group=1,
-                renormalize=False, routed_scaling_factor=2.5))),
-        ],
-        "small": [
-            ("latent_moe/T8-D512-E32-k4-L256-I256-S2", dict(T=8, cfg=dict(
-                hidden_size=512, num_experts=32, top_k=4, latent_size=256, moe_intermediate_size=256,
-                n_shared_experts=2, shared_intermediate_size=256))),
-        ],
-    }
-
-    def cases(self, config: str) -> list[Case]:
-        return [Case(n, self.name, config, _seed(n), p) for n, p in self.TABLE.get(config, [])]
-
-    @staticmethod
-    def _cfg(kwargs: Mapping):
-        from k3ref.latent_moe import LatentMoeConfig
-
-        return LatentMoeConfig(**kwargs)
-
-    def generate(self, case: Case) -> Content:
-        from k3ref.latent_moe import latent_moe_forward, random_moe_weights, sigmoid_topk
-
-        cfg = self._cfg(case.params["cfg"])
-        rng = np.random.default_rng(case.seed)
-        kw = dict(top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                  renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor)
-        for _ in range(1000):
-            weights = random_moe_weights(cfg, rng, dtype=np.float64)
-            weights["gate.e_score_correction_bias"] = weights["gate.e_score_correction_bias"].astype(np.float64)
-            x = rng.standard_normal((case.params["T"], cfg.hidden_size))
-            logits = x @ weights["gate.weight"].T
-            if _route_stable(logits, weights["gate.e_score_correction_bias"], kw):
-                break
-        else:
-            raise RuntimeError(f"{case.name}: no stable routing found")
-        y = latent_moe_forward(weights, x, cfg)
-        w, idx = _route_canonical(dict(zip(("weights", "indices"),
-                                           sigmoid_topk(logits, weights["gate.e_score_correction_bias"], **kw)))).values()
-        tensors = {"inputs.x": x, "outputs.y": y, "inter.route_weights": w, "inter.route_indices": idx}
-        tensors.update({f"weights.{k}": v for k, v in weights.items()})
-        return Content(tensors, dict(case.params["cfg"]))
-
-    def evaluate(self, case: Case, golden, backend) -> dict[str, np.ndarray]:
-        from k3ref.latent_moe import latent_moe_forward
-
-        golden.require(["inputs.x", "outputs.y"])
-        weights = cast_weights(golden.group("weights"), backend.precision)
-        x = cast(golden.group("inputs")["x"], backend.precision)
-        return {"y": np.asarray(latent_moe_forward(weights, x, self._cfg(golden.kwargs), cores=backend.cores()))}
-
-    def block_of(self, case: Case, tensor: str) -> str:
-        return case.block
-
-    def cores_of(self, case: Case) -> frozenset[str]:
-        return frozenset({"moe_route", "mxfp4_gemv", "situ_glu", "rmsnorm"})
-
-    def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
-        return None   # a composite of many cores: the cores are timed in their own cases
-
-
-register_kind(CoreKind(CORE_SPECS, CORE_TABLE))
-register_kind(LatentMoeKind())

@@ -1,4 +1,4 @@
-"""Comparing one output tensor against its float64 golden (DESIGN.md section 5).
+"""Comparing one output tensor against its float64 golden (docs/spec.md section 5.1).
 
 `compare(out, ref, atol, rtol)` reports, never raises on a mismatch:
 - max abs error and relative RMS error ||out - ref|| / ||ref|| over the positions where both are finite;
@@ -60,7 +60,7 @@ class Comparison:
             parts.append(f"worst at {list(self.worst_index)}: out {self.worst_out:.6g} vs ref {self.worst_ref:.6g}")
         if not self.nonfinite_ok:
             bad = ", ".join(f"{k} {v}" for k, v in self.nonfinite_mismatch.items() if v)
-            parts.append(f"non-finite mismatch ({bad}) first at {list(self.first_nonfinite_mismatch)}")
+            parts.append(f"non-finite mismatch ({bad}) first at {list(self.first_nonfinite_mismatch or ())}")
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
@@ -86,11 +86,13 @@ def compare(out, ref, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
     if out.dtype == object or out.dtype.kind not in "fiub":
         return Comparison(ref.shape, str(ref.dtype), problem=f"dtype: expected a numeric array, found {out.dtype}")
     if out.shape != ref.shape:
-        return Comparison(ref.shape, str(ref.dtype), problem=f"shape: expected {list(ref.shape)}, found {list(out.shape)}")
+        return Comparison(ref.shape, str(ref.dtype),
+                          problem=f"shape: expected {list(ref.shape)}, found {list(out.shape)}")
     if ref.dtype.kind in "iub":
         return _compare_exact(out, ref)
     if out.dtype.kind in "iub":
-        return Comparison(ref.shape, str(ref.dtype), problem=f"dtype: expected floating (like {ref.dtype}), found {out.dtype}")
+        return Comparison(ref.shape, str(ref.dtype),
+                          problem=f"dtype: expected floating (like {ref.dtype}), found {out.dtype}")
     return _compare_float(out.astype(np.float64), ref.astype(np.float64), atol, rtol, str(ref.dtype))
 
 
@@ -108,7 +110,8 @@ def _compare_exact(out: np.ndarray, ref: np.ndarray) -> Comparison:
     if ok < n:
         worst = tuple(int(i) for i in np.argwhere(~eq)[0])
         worst_out, worst_ref = float(out[worst]), float(ref[worst])
-        problem = f"{n - ok} of {n} elements differ (exact compare); first at {list(worst)}: out {worst_out:g} vs ref {worst_ref:g}"
+        problem = (f"{n - ok} of {n} elements differ (exact compare); first at {list(worst)}: "
+                   f"out {worst_out:g} vs ref {worst_ref:g}")
     diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
     diff = np.where(np.isfinite(diff), diff, np.inf)
     return Comparison(ref.shape, str(ref.dtype), max_abs=float(diff.max(initial=0.0)),
@@ -160,7 +163,7 @@ def check_outputs(label: str, outs, refs, tol: float) -> list[str]:
     if len(outs) != len(refs):
         return [f"{label}: kernel returned {len(outs)} outputs, the reference {len(refs)}"]
     fails = []
-    for i, (o, r) in enumerate(zip(outs, refs)):
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         c = compare(o, r)
         if c.problem or not c.nonfinite_ok or c.rel_rms > tol:
             fails.append(f"{label} output {i} (tolerance rel_rms {tol:g}): {c.summary()}")

@@ -1,6 +1,6 @@
 """The gate table: ONE table keyed by (block, tensor, precision), a reason for every number.
 
-Accuracy (DESIGN.md section 5):
+Accuracy (docs/spec.md section 5.2):
 - fp64 rows are absolute bounds on the relative RMS error against the float64 golden. The `numpy64`
   backend runs the very code that wrote the goldens, so it is exact by construction on the machine that
   generated them; the bound only leaves room for another CPU's BLAS rounding (~1e-16 per operation).
@@ -24,7 +24,7 @@ targets are gated by tools/gpu_bench.py at sizes that fill the GPU, not on the t
 
 Look-up falls back from (block, tensor, precision) to rows of that block whose tensor is a glob pattern
 matching the tensor (longest pattern first), to (block, "*", precision), to ("*", "*", precision).
-Model-trace cases register their rows with `add_gate` (see docs/runner.md).
+The rows themselves, the near-tie budgets and the speed targets are built in conformance.judge.gate_table.
 """
 from __future__ import annotations
 
@@ -34,85 +34,14 @@ import fnmatch
 import numpy as np
 
 from conformance.judge.compare import Comparison
+from conformance.judge.gate_row import BASELINE, PRECISIONS, Gate
+from conformance.judge.gate_table import BASELINE_GATES, GATES, MARGIN_BUDGETS, SPEED_TARGETS
 
-PRECISIONS = ("fp64", "fp32", "bf16")
-BASELINE = {"fp32": "numpy32", "bf16": "torch-bf16"}
+# the names other modules read here: the row type and the tables it is looked up in
+__all__ = ["BASELINE", "BASELINE_GATES", "GATES", "MARGIN_BUDGETS", "PRECISIONS", "SPEED_TARGETS", "Gate",
+           "SpeedResult", "Verdict", "baseline_gate_for", "gate_for", "judge", "judge_speed", "margin_budgets",
+           "near_tie_route"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Gate:
-    """One row. fp64: `cap` is the bound. fp32/bf16: bound = min(cap, k * baseline_err + floor)."""
-
-    cap: float            # absolute bound on relative RMS error
-    k: float | None       # multiple of the baseline's error (None at fp64)
-    floor: float          # added to k * baseline_err, so an exact baseline does not demand exactness
-    atol: float           # per-element rule for "N of M passed"
-    rtol: float
-    reason: str
-
-
-_FP64 = "numpy64 = the generator's own float64 code, exact by construction; room for another CPU's BLAS rounding"
-_FP32 = "fp32 inputs and math against the fp64 golden; k=4 leaves room for another summation order than numpy32's"
-_BF16 = ("bf16 inputs (2^-9 relative rounding) against the fp64 golden; k=2.5 over torch-bf16 and no floor, so the "
-         "bound stays under 3x the baseline's error on the same tensor")
-
-GATES: dict[tuple[str, str, str], Gate] = {
-    # defaults per precision
-    ("*", "*", "fp64"): Gate(1e-12, None, 0.0, 1e-12, 1e-9, _FP64),
-    ("*", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3, _FP32 + "; cap = ~1e-7/op over <=100 ops"),
-    ("*", "*", "bf16"): Gate(3e-2, 2.5, 0.0, 1e-2, 5e-2, _BF16 + "; cap = a few bf16 ulps (2^-8) of error"),
-    # the CUDA kernels' blocks at fp32 (the kernels' GPU tests apply these caps too, against float64): the
-    # default numbers, each with what bounds that kernel's error
-    ("kda_decode", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                      _FP32 + "; fp32 state and math: decay, two K-term column sums and an update "
-                                      "per step, ~1e-7 per op; o and the new state both checked"),
-    ("rmsnorm", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                   _FP32 + "; a sum of D <= 7168 squares (tree + serial, ~sqrt(D) ulp) and one "
-                                   "exact sqrt"),
-    ("situ_glu", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                    _FP32 + "; elementwise with exact exp/tanh (a few ulp each), no reduction"),
-    ("attnres_mix", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                       _FP32 + "; RMS norms over D, a softmax over <= 9 sources and a weighted sum"),
-    ("mxfp4_gemv", "*", "fp32"): Gate(1e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                      _FP32 + "; MXFP4 codes and scales decode exactly in fp32; fp32 accumulation "
-                                      "over K <= 7168"),
-    # KDA: the recurrence carries state over T steps; the chunked prefill uses a WY/UT triangular solve
-    ("kda_prefill", "*", "fp64"): Gate(1e-10, None, 0.0, 1e-10, 1e-8,
-                                       _FP64 + "; chunked WY solve over T<=65 steps reorders sums"),
-    ("kda_prefill", "*", "fp32"): Gate(1e-4, 4.0, 1e-6, 1e-4, 1e-2,
-                                       _FP32 + "; T<=65 recurrent steps plus a triangular solve per chunk"),
-    ("kda_prefill", "*", "bf16"): Gate(5e-2, 2.5, 0.0, 2e-2, 1e-1,
-                                       _BF16 + "; the state sums T<=65 bf16-rounded rank-1 updates"),
-    # MLA: softmax over up to ~200 cached rows of width 576 in fp32
-    ("mla_decode", "*", "fp32"): Gate(2e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                      _FP32 + "; dot products of length 576 and a softmax over <=200 rows"),
-    # MXFP4: weights are exact codes x powers of two; only x and the accumulation are rounded
-    ("mxfp4_gemv", "*", "bf16"): Gate(2e-2, 2.5, 0.0, 1e-2, 5e-2,
-                                      _BF16 + "; weights exact (E2M1 x 2^e), x rounded to bf16"),
-    # LatentMoE composite: router + 2 MXFP4 GEMVs per expert + RMSNorm + shared MLP
-    ("latent_moe", "*", "fp32"): Gate(2e-5, 4.0, 1e-6, 1e-5, 1e-3,
-                                      _FP32 + "; composite of ~10 steps (router, experts, norm, shared MLP)"),
-    ("latent_moe", "*", "bf16"): Gate(5e-2, 2.5, 0.0, 2e-2, 1e-1,
-                                      _BF16 + "; composite of ~10 steps, each rounding its inputs"),
-}
-
-# The baselines gated against themselves would always pass, so they get absolute rows: about 3x the worst
-# relative RMS error each measured on the tiny cases of that (block, tensor) with `k3conf run` (CPU, this
-# repository's goldens). Filled by add_baseline_gate below and by the model traces (conformance/cases/traces.py).
-BASELINE_GATES: dict[tuple[str, str, str], Gate] = {}
-
-# Discrete choices inside the model traces (conformance/cases/traces.py): where the float64 golden's margin is below
-# the budget of the backend's precision, the backend is given the golden's choice (teacher-forced, counted).
-# Absent (fp64, fp32): no forcing, every choice must match. Router margins are in selection-score units
-# (sigmoid + bias), argmax margins in logits. precision -> choice -> (budget, reason).
-MARGIN_BUDGETS: dict[str, dict[str, tuple[float, str]]] = {
-    "bf16": {
-        "router": (1.5e-2, "torch-bf16 moves the selection scores by at most 4.5e-3 on the layerwise tiny trace; "
-                           "3x that (the golden's smallest router margin there is 2.1e-4)"),
-        "argmax": (3.5e-2, "torch-bf16 moves the logits by at most 1.2e-2 on the layerwise tiny trace; 3x that "
-                           "(the golden's step-1 margin is 1.2e-3: a near-tie at bf16, far from one at fp32)"),
-    },
-}
 
 def near_tie_route(inter, where: str, budget: float):
     """The golden's router choice at MoE layer step `where` ('step1.layer04') for the tokens whose golden margin
@@ -128,29 +57,9 @@ def near_tie_route(inter, where: str, budget: float):
     return near, np.asarray(inter[f"route.{where}.choice"]).astype(np.int64)
 
 
-# (block, backend) -> (target bw_ratio or None, target time_ratio or None, reason). Absent = report only.
-SPEED_TARGETS: dict[tuple[str, str], tuple[float | None, float | None, str]] = {}
-
-
-def add_gate(block: str, tensor: str, precision: str, gate: Gate) -> None:
-    """Add (or override) a row; used by case kinds that bring their own blocks (e.g. model traces)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {PRECISIONS}, found {precision!r}")
-    GATES[(block, tensor, precision)] = gate
-
-
-BASELINE_FACTOR = 3.0   # a baseline's cap over its measured worst: room for another CPU's summation order
-
-
-def add_baseline_gate(block: str, tensor: str, precision: str, measured: float, where: str) -> None:
-    """Add (or override) the absolute row that gates the baseline backend of `precision` itself:
-    cap = BASELINE_FACTOR x `measured`, its worst relative RMS error (on `where`, the case that set it)."""
-    if precision not in BASELINE:
-        raise ValueError(f"precision: expected one of {sorted(BASELINE)}, found {precision!r}")
-    if not measured > 0:
-        raise ValueError(f"measured: expected the baseline's positive worst error, found {measured!r}")
-    reason = (f"{BASELINE[precision]} measured {measured:.3g} worst ({where}); cap {BASELINE_FACTOR:g}x that")
-    BASELINE_GATES[(block, tensor, precision)] = Gate(BASELINE_FACTOR * measured, None, 0.0, 0.0, 0.0, reason)
+def margin_budgets(precision: str) -> dict[str, float]:
+    """choice ('router', 'argmax') -> the near-tie budget at `precision` (none: every choice must match)."""
+    return {choice: budget for choice, (budget, _) in MARGIN_BUDGETS.get(precision, {}).items()}
 
 
 def _lookup(table: dict, block: str, tensor: str, precision: str):
@@ -220,7 +129,8 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Non
         if cmp.n_within < cmp.n_total:
             return Verdict(False, bound, f"{cmp.passed_line} within atol {gate.atol:g} + rtol {gate.rtol:g}")
     elif baseline_err is None:
-        bound, rule = gate.cap, f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} unavailable: cap only)"
+        bound = gate.cap
+        rule = f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} unavailable: cap only)"
     else:
         rel = gate.k * baseline_err + gate.floor
         bound = min(gate.cap, rel)
@@ -263,25 +173,3 @@ def judge_speed(block: str, backend: str, seconds: float, bytes_moved: int, copy
     passed = all(checks) if checks else None
     note = reason if checks else "report only (no target for this block and backend)"
     return SpeedResult(seconds, bytes_moved, bw_ratio, time_ratio, t_bw, t_time, passed, note, baseline)
-
-
-# (block, tensor) -> worst relative RMS error of numpy32 (fp32) and torch-bf16 (bf16) over the tiny cases,
-# measured with `k3conf run --no-timing` (torch 2.13 CPU, NumPy/OpenBLAS) and the case that set it.
-_MEASURED_BASELINE = {
-    ("rmsnorm", "y"): ((6.4e-8, "rmsnorm/T3-D239-eps1e-6"), (3.3e-3, "rmsnorm/T7-D203")),
-    ("situ_glu", "h"): ((9.6e-8, "situ_glu/I239"), (2.4e-3, "situ_glu/I239")),
-    ("kda_decode", "o"): ((1.6e-7, "kda_decode/B1-H1-K128"), (2.3e-3, "kda_decode/B1-H1-K128")),
-    ("kda_decode", "state"): ((8.2e-8, "kda_decode/B2-H2-K16-nolb"), (1.5e-3, "kda_decode/B2-H3-K16")),
-    ("kda_prefill", "o"): ((4.6e-7, "kda_prefill/B1-T65-H3-K32"), (3.3e-3, "kda_prefill/B1-T65-H3-K32")),
-    ("kda_prefill", "state"): ((2.9e-6, "kda_prefill/B2-T63-H2-K16"), (2.3e-3, "kda_prefill/B1-T65-H3-K32")),
-    ("mla_decode", "o_lat"): ((4.2e-7, "mla_decode/B1-H2-R512-P64-L70"),
-                              (6.4e-3, "mla_decode/B3-H1-R64-P16-L64-113-203")),
-    ("mxfp4_gemv", "y"): ((1.9e-7, "mxfp4_gemv/N1-K32"), (2.0e-3, "mxfp4_gemv/N1-K32")),
-    ("moe_route", "weights"): ((6.7e-8, "moe_route/T1-E8-k2"), (6.7e-8, "moe_route/T1-E8-k2; the router is fp32")),
-    ("attnres_mix", "out"): ((1.8e-7, "attnres_mix/S3-T5-D113"), (2.8e-3, "attnres_mix/S3-T5-D113")),
-    ("latent_moe", "y"): ((1.9e-7, "latent_moe/T5-D67-E8-k2-L32-I32-S1"),
-                          (5.7e-3, "latent_moe/T3-D48-E8-k2-G2-g1-norenorm")),
-}
-for (_block, _tensor), (_fp32, _bf16) in _MEASURED_BASELINE.items():
-    add_baseline_gate(_block, _tensor, "fp32", *_fp32)
-    add_baseline_gate(_block, _tensor, "bf16", *_bf16)

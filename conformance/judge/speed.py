@@ -106,7 +106,8 @@ def _openblas_thread_fns():
         lib = ctypes.CDLL(path)
         for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "")):
             if hasattr(lib, f"{prefix}set_num_threads{suffix}"):
-                return getattr(lib, f"{prefix}set_num_threads{suffix}"), getattr(lib, f"{prefix}get_num_threads{suffix}")
+                return (getattr(lib, f"{prefix}set_num_threads{suffix}"),
+                        getattr(lib, f"{prefix}get_num_threads{suffix}"))
     return None
 
 

@@ -16,24 +16,36 @@ import time
 from pathlib import Path
 
 from conformance import runner as _runner
-from conformance.cases.core import NOTES_KEY
+from conformance.backends.protocol import BackendBase
+from conformance.cases.protocol import Evaluation
 from conformance.cases.traces import PROMPT, model_name
+from conformance.tp.blame import blame_ranks
 from conformance.tp.launch import TpFailure, check_dist, spawn, under_torchrun
+from conformance.tp.rank import make_plan, read_result, run_job
+from k3ref.config import K3Config
+from k3ref.cores import Cores, reference_cores
 
 TRACE_KIND = "trace"
 
 
 @dataclasses.dataclass
-class TpBackend:
-    """The row label of a TP run: the reference cores at float64 on `tp` ranks."""
+class TpBackend(BackendBase):
+    """The row label of a TP run: the reference cores at float64 on `tp` ranks (which run them; this process
+    only gates rank 0's outputs)."""
 
     tp: int
     dist: str
     precision: str = "fp64"
+    name: str = dataclasses.field(init=False)
 
-    @property
-    def name(self) -> str:
-        return f"numpy64-tp{self.tp}"
+    def __post_init__(self) -> None:
+        self.name = f"numpy64-tp{self.tp}"
+
+    def available(self) -> tuple[bool, str]:
+        return True, f"{self.tp} ranks over torch.distributed ({self.dist})"
+
+    def cores(self) -> Cores:
+        return reference_cores()
 
 
 @dataclasses.dataclass
@@ -49,12 +61,12 @@ class TpRunReport(_runner.RunReport):
 class _TpRunner(_runner.Runner):
     """The runner with the outputs of a case taken from the ranks instead of computed here."""
 
-    def __init__(self, root: Path, config: str, outputs: dict[str, dict]):
+    def __init__(self, root: Path, config: str, outputs: dict[str, Evaluation]):
         super().__init__(root, config, timing=False)
         self.tp_outputs = outputs
 
-    def outputs(self, case, golden, backend):
-        return dict(self.tp_outputs[case.name])
+    def evaluate(self, case, golden, backend):
+        return self.tp_outputs[case.name]
 
     def baseline_errors(self, case, golden, precision):
         return None, None        # fp64 rows are absolute bounds: no baseline
@@ -62,9 +74,6 @@ class _TpRunner(_runner.Runner):
 
 def check_plan(config: str, tp: int, mutant: str | None = None):
     """The plan, or ValueError before any process starts (heads not divisible, a rank without experts)."""
-    from conformance.tp.rank import make_plan
-    from k3ref.config import K3Config
-
     return make_plan(K3Config.preset(config), tp, mutant)
 
 
@@ -76,8 +85,6 @@ def _rank_notes(rows: list[dict], source: str) -> list[str]:
 
 def execute(job: dict, workdir: Path | None = None, on_start=None) -> dict:
     """Run `job` on its ranks (spawned, or in place under torchrun); rank 0's result, {} on other ranks."""
-    from conformance.tp.rank import read_result, run_job
-
     if under_torchrun():   # this process is a rank; torchrun's agent ends the others when it fails
         try:
             return run_job(job) or {}
@@ -112,14 +119,13 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
         per_case[case][name] = v
     for case in cases:
         outs = per_case[case.name]
-        outs[NOTES_KEY] = _rank_notes(result["ranks"][case.name], f"golden/{case.name}")
-        runner.tp_outputs[case.name] = outs
+        runner.tp_outputs[case.name] = Evaluation(outs, _rank_notes(result["ranks"][case.name], f"golden/{case.name}"))
         res = runner.run_one(case, backend)
         if res.status == "fail":
             res.notes.extend(blame(case, runner.golden(case), outs, tp))
         results.append(res)
-    row = {"name": backend.name, "precision": backend.precision, "available": True,
-           "reason": f"{tp} ranks over torch.distributed ({dist})"}
+    ok, why = backend.available()
+    row = {"name": backend.name, "precision": backend.precision, "available": ok, "reason": why}
     return TpRunReport(config, [row], results, time.perf_counter() - t0, {}, ranks=result["ranks"])
 
 
@@ -139,8 +145,6 @@ def _splittable(cases, tp: int, mutant: str | None, backend):
 
 def blame(case, golden, outs: dict, tp: int) -> list[str]:
     """Which rank's partial sum is wrong at the first failing layer (layerwise traces; [] when unknown)."""
-    from conformance.tp.blame import blame_ranks
-
     try:
         return blame_ranks(case, golden, outs, tp)
     except Exception as e:  # noqa: BLE001 - attribution is a hint on a failure already reported

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.backends.registry import get_backend
-from conformance.cases.core import all_cases
-from conformance.golden.store import COMMITTED_ROOT
-from conformance.runner import run, strict
+from conformance.cases.catalog import all_cases
+from conformance.golden.store import COMMITTED_ROOT, read_golden
+from conformance.runner import run
+from conformance.session import strict
 
 CPU_BACKENDS = {"numpy64": (), "numpy32": (), "torch": (pytest.mark.torch,), "torch-bf16": (pytest.mark.torch,),
                 "torch64": (pytest.mark.torch,), "cuda-emu": ()}
@@ -35,6 +36,4 @@ def test_case_passes_its_gates(case, backend):
 
 
 def result_outputs(case):
-    from conformance.golden.store import read_golden
-
     return [k for k in read_golden(COMMITTED_ROOT, case.name).tensors if k.startswith("outputs.")]

@@ -19,12 +19,14 @@ import pytest
 import k3cuda
 from conformance.backends.registry import get_backend
 from conformance.cases import traces
-from conformance.cases.core import ENTRY_KEY, all_cases, select
+from conformance.cases.catalog import all_cases, select
+from conformance.cases.core import ENTRY_KEY
 from conformance.golden.store import COMMITTED_ROOT, read_golden
 from conformance.runner import run
 from k3cuda import attnres_mix as AR
 from k3cuda import kda_decode as KDA
 from k3cuda import mla_decode as MLA
+from k3cuda.testing import EMULATED_LAUNCHES, cpu_emulation
 from k3ref.config import MXFP4_GROUP, K3Config
 
 GEOM = K3Config.preset("k3geom")
@@ -34,8 +36,6 @@ TRACES = "trace/k3geom/*"
 @pytest.fixture
 def emu():
     """The cuda-emu backend (skipped with the reason when g++ is missing) and a fresh launch count."""
-    from k3cuda.testing import EMULATED_LAUNCHES
-
     backend = get_backend("cuda-emu")
     ok, why = backend.available()
     if not ok:
@@ -179,8 +179,6 @@ def test_force_entry_names_the_choices():
 
 
 def test_forced_bf16_entry_refuses_a_cache_bf16_cannot_hold(emu, rng):
-    from k3cuda.testing import cpu_emulation
-
     d = MLA.make_inputs(rng, [5], 2)
     with cpu_emulation(), k3cuda.force_entry("mla_decode", MLA.ENTRY_BF16):
         d["kv_cache"] = d["kv_cache"].astype(ml_dtypes.bfloat16).astype(np.float32)   # bf16 values: accepted

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from conformance.backends.registry import MUTANTS
-from conformance.cases.core import all_cases
+from conformance.cases.catalog import all_cases
 from conformance.golden.store import COMMITTED_ROOT
 from conformance.runner import run
 

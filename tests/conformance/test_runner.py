@@ -12,13 +12,21 @@ import pytest
 
 from conformance.backends import registry as backends
 from conformance.backends.registry import NumpyBackend
-from conformance.cases import core as cases
-from conformance.cases.core import Case, Content, all_cases, cast, select
+from conformance.cases import catalog
+from conformance.cases.catalog import all_cases, select
+from conformance.cases.inputs import cast
+from conformance.cases.protocol import Case, Content, Evaluation, KindBase
+from conformance.cases.trace_names import TraceName
 from conformance.cli import main
 from conformance.golden import store as goldens
-from conformance.golden.store import COMMITTED_ROOT, regenerate
+from conformance.golden.regen import regenerate
+from conformance.golden.store import COMMITTED_ROOT
 from conformance.judge import gates
+from conformance.report import markdown, svg_plot
 from conformance.runner import run
+from conformance.session import strict_missing
+from k3ref.cores import UnsupportedShape, reference_cores
+from k3ref.ops import rmsnorm
 
 SUBSET = ["rmsnorm/T1-D113", "moe_route/T1-E8-k2"]
 
@@ -115,7 +123,8 @@ def test_only_unavailable_backends_is_bad_usage(capsys, extra_backend):
 def test_unavailable_backend_is_skipped_with_its_reason(tmp_path, capsys, extra_backend, monkeypatch):
     monkeypatch.delenv("K3_STRICT", raising=False)     # CI's strict mode would fail the run (tested below)
     extra_backend("offline", Offline)
-    rc = main(["run", "--backend", "numpy64", "offline", "--cases", SUBSET[0], "--report", str(tmp_path), "--no-timing"])
+    rc = main(["run", "--backend", "numpy64", "offline", "--cases", SUBSET[0], "--report", str(tmp_path),
+               "--no-timing"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "skipped offline: no such device on this machine (test backend)" in out
@@ -130,8 +139,6 @@ def test_missing_baseline_means_cap_only_and_says_so(monkeypatch, extra_backend,
     (t,) = report.results[0].tensors
     assert t.baseline == "offline" and t.baseline_err is None
     assert "cap only" in t.verdict.why and t.verdict.bound == t.gate.cap
-    from conformance.report import markdown
-
     assert "baseline offline unavailable for fp32: the absolute cap alone applied" in markdown(report)
 
 
@@ -229,8 +236,6 @@ def test_a_baseline_that_cannot_be_compared_means_cap_only(monkeypatch, extra_ba
 
 def test_layer_plot_survives_an_overflowed_error():
     """A float64 kernel writing 1e200 makes ||out - ref|| overflow to inf: the report still draws (clipped)."""
-    from conformance.report import svg_plot
-
     page = svg_plot("trace/x", {"numpy64": {0: 0.0, 1: float("inf"), 2: float("nan")}, "mutant": {0: 1e-3}})
     assert page.startswith("<svg") and page.count("<polyline") == 2 and "1e3<" in page
 
@@ -253,8 +258,12 @@ def test_unreadable_manifest_is_bad_input_not_a_traceback(tmp_path, capsys):
 # ---- a new kind of case: what conformance/cases/traces.py does (docs/runner.md)
 
 
-class LayerKind:
-    """Two 'layers' of RMSNorm; tensors named layerNN.*; each layer's block is rmsnorm."""
+def _layer_name(layer: int) -> str:
+    return str(TraceName.of_layer(0, layer, 1, "h"))
+
+
+class LayerKind(KindBase):
+    """Three 'layers' of RMSNorm; tensors named like a trace's (step0.layerNN.1_h); each layer's block is rmsnorm."""
 
     name = "test-layers"
 
@@ -265,25 +274,20 @@ class LayerKind:
         rng = np.random.default_rng(case.seed)
         x = rng.standard_normal((case.params["layers"], 4, 32))
         w = 1 + 0.1 * rng.standard_normal(32)
-        from k3ref.ops import rmsnorm
-
-        outs = {f"outputs.layer{i:02d}.h": rmsnorm(x[i], w, 1e-5) for i in range(len(x))}
+        outs = {f"outputs.{_layer_name(i)}": rmsnorm(x[i], w, 1e-5) for i in range(len(x))}
         return Content({"inputs.x": x, "inputs.w": w, **outs}, {"eps": 1e-5})
 
     def evaluate(self, case, golden, backend):
         x, w = (cast(golden.group("inputs")[n], backend.precision) for n in ("x", "w"))
         cores = backend.cores()
-        return {f"layer{i:02d}.h": cores.rmsnorm(x[i], w, golden.kwargs["eps"]) for i in range(len(x))}
+        return Evaluation({_layer_name(i): cores.rmsnorm(x[i], w, golden.kwargs["eps"]) for i in range(len(x))})
 
     def block_of(self, case, tensor):
         return "rmsnorm"
 
-    def timing(self, case, golden, backend):
-        return None
-
 
 def test_a_registered_kind_runs_with_per_layer_plot(monkeypatch, tmp_path):
-    monkeypatch.setitem(cases.KINDS, "test-layers", LayerKind())
+    monkeypatch.setitem(catalog.KINDS, "test-layers", LayerKind())
     picked = select(all_cases("tiny"), ["toy_trace/*"])
     assert [c.name for c in picked] == ["toy_trace/L3"]
     regenerate(picked, tmp_path / "g")
@@ -300,7 +304,7 @@ def test_a_registered_kind_runs_with_per_layer_plot(monkeypatch, tmp_path):
     report = run(picked, ["mutant:test-rmsnorm"], tmp_path / "g", timing=False)
     backends._CACHE.pop("mutant:test-rmsnorm", None)
     assert report.first_failure_line().startswith(
-        "FIRST FAILURE: toy_trace/L3 on mutant:test-rmsnorm: outputs.layer00.h (block rmsnorm)")
+        "FIRST FAILURE: toy_trace/L3 on mutant:test-rmsnorm: outputs.step0.layer00.1_h (block rmsnorm)")
 
 
 # ---- list, show, python -m
@@ -357,8 +361,6 @@ def test_progress_is_reported_per_result():
 
 def _picky(monkeypatch, name: str, precision: str, core: str, why: str) -> None:
     """Register (for this test only) numpy with `core` raising UnsupportedShape(why)."""
-    from k3ref.cores import UnsupportedShape, reference_cores
-
     def refuse(*args, **kwargs):
         raise UnsupportedShape(why)
 
@@ -370,7 +372,7 @@ def _picky(monkeypatch, name: str, precision: str, core: str, why: str) -> None:
 def test_unsupported_shape_is_a_skip_with_its_reason_not_a_failure(monkeypatch):
     """A kernel built for K3's head_dim given head_dim 16: the case is skipped for that backend, the run passes."""
     _picky(monkeypatch, "picky", "fp32", "kda_decode", "built for K = V = 128")
-    selected = cases.select(cases.all_cases("tiny"), ["kda_decode/B2-H3-K16", "rmsnorm/T1-D113"])
+    selected = select(all_cases("tiny"), ["kda_decode/B2-H3-K16", "rmsnorm/T1-D113"])
     report = run(selected, ["picky"], goldens.COMMITTED_ROOT, timing=False)
     status = {r.case: (r.status, r.error) for r in report.results}
     assert status["kda_decode/B2-H3-K16"] == ("skip", "unsupported by picky: built for K = V = 128")
@@ -379,14 +381,12 @@ def test_unsupported_shape_is_a_skip_with_its_reason_not_a_failure(monkeypatch):
     # a skip is not counted as a pass anywhere
     assert report.first_failure_line() == ("ALL PASS: 1 (case, backend) result(s) within their gates "
                                            "(1 skipped: not supported by that backend)")
-    from conformance.report import markdown
-
     assert "(case, backend) results: 1 passed, 0 failed, 0 n/a, 1 skipped of 2" in markdown(report)
 
 
 def test_trace_falls_back_per_core_and_says_so(monkeypatch):
     _picky(monkeypatch, "picky-mla", "fp64", "mla_decode", "built for kv_rank 512")
-    selected = cases.select(cases.all_cases("tiny"), ["trace/layerwise-*"])
+    selected = select(all_cases("tiny"), ["trace/layerwise-*"])
     report = run(selected, ["picky-mla"], goldens.COMMITTED_ROOT, timing=False)
     (result,) = report.results
     assert result.status == "pass", report.first_failure_line()
@@ -428,12 +428,11 @@ def test_a_case_without_a_kernel_core_is_na_and_counted_apart(tmp_path, extra_ba
     assert "n/a (reference core)" in page and "2 pass, 0 fail, 1 n/a, 0 skip" in page
     capsys.readouterr()
     assert main(["list", "backends"]) == 0
-    assert "one32        fp32  available: k3ref (NumPy) [kernels: rmsnorm; other cores: k3ref's]" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "one32        fp32  available: k3ref (NumPy) [kernels: rmsnorm; other cores: k3ref's]" in listed
 
 
 def test_a_trace_where_every_kernel_call_fell_back_is_na(monkeypatch, extra_backend):
-    from k3ref.cores import UnsupportedShape
-
     def refuse(*args, **kwargs):
         raise UnsupportedShape("built for K = V = 128")
 
@@ -468,8 +467,6 @@ def test_strict_mode_fails_on_an_unavailable_backend(monkeypatch, extra_backend,
 
 def test_strict_mode_allows_a_missing_accelerator(monkeypatch):
     monkeypatch.setenv("K3_STRICT", "1")
-    from conformance.runner import strict_missing
-
     rows = [{"name": "cuda", "available": False, "reason": "no GPU"},
             {"name": "fla", "available": False, "reason": "no GPU", "device": "cuda"},   # an external GPU backend
             {"name": "torch", "available": False, "reason": "PyTorch is not installed"},
@@ -494,7 +491,8 @@ def test_strict_run_without_torch_fails_with_the_reason(tmp_path):
 def test_strict_suite_without_torch_fails_with_the_reason():
     """The torch tests skip without torch; under K3_STRICT=1 they fail and say why."""
     root = Path(__file__).resolve().parents[2]
-    code = HIDE_TORCH + "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/k3torch/test_torch_cores.py']))"
+    code = HIDE_TORCH + ("import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+                         "'tests/k3torch/test_torch_cores.py']))")
     env = {**__import__("os").environ, "K3_STRICT": "1"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
     assert p.returncode not in (0, 5), p.stdout[-2000:]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.judge import speed
 from conformance.judge.speed import CopyFloor, SpeedTargetMissed, check_target, race
 
 CONFTEST = Path(__file__).resolve().parents[2] / "benchmarks" / "conftest.py"
@@ -35,8 +36,6 @@ def test_floor_counts_read_and_write():
 
 def test_race_interleaves_and_keeps_the_best(monkeypatch):
     """One untimed warm-up round, then rounds of a, b, b (inner b = 2); the best time of each is kept."""
-    import conformance.judge.speed as speed
-
     order, times = [], {"a": iter([9, 3, 5]), "b": iter([9, 2, 8, 1, 7, 6])}
     monkeypatch.setattr(speed, "timed", lambda f: (f(), next(times[order[-1]]))[1])
     best = race({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, inner={"b": 2})

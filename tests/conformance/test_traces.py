@@ -12,10 +12,15 @@ import re
 import numpy as np
 import pytest
 
-from conformance.cases.core import all_cases, select
-from conformance.cases.traces import TIE_MARGIN, TINY_TRACE_MEASURED
-from conformance.golden.store import COMMITTED_ROOT, GoldenError, read_golden
-from conformance.judge import gates
+from conformance.cases import trace_run, traces
+from conformance.cases.catalog import all_cases, select
+from conformance.cases.trace_names import TraceName, layer_of
+from conformance.cases.trace_run import route_margin
+from conformance.cases.traces import TIE_MARGIN
+from conformance.golden.errors import GoldenError
+from conformance.golden.store import COMMITTED_ROOT, read_golden
+from conformance.judge import gate_table, gates, measured
+from conformance.judge.gate_row import BASELINE_FACTOR
 from conformance.runner import run
 from k3ref.config import K3Config
 from k3ref.cpu_forward import final_logits
@@ -85,8 +90,6 @@ def test_layerwise_isolates_a_layer_free_run_accumulates():
 
 def _flip_at(monkeypatch, step: int):
     """The final logits with the runner-up raised just above the top at decode step `step` (a wrong lm_head)."""
-    from conformance.cases import traces
-
     calls = []
 
     def flipped(ctx, hub):
@@ -97,7 +100,7 @@ def _flip_at(monkeypatch, step: int):
         calls.append(step)
         return logits
 
-    monkeypatch.setattr(traces, "final_logits", flipped)
+    monkeypatch.setattr(trace_run, "final_logits", flipped)
 
 
 def test_a_flipped_greedy_token_fails_at_fp32_and_is_named(monkeypatch):
@@ -130,12 +133,11 @@ def test_goldens_store_exact_tokens_and_the_margins_of_every_choice():
             for layer in moe_layers:
                 margin = inter[f"route.step{step}.layer{layer:02d}.margin"]
                 assert margin.min() >= TIE_MARGIN["router"]
-                assert inter[f"route.step{step}.layer{layer:02d}.choice"].shape == (margin.shape[0], cfg.num_experts_per_tok)
+                choice = inter[f"route.step{step}.layer{layer:02d}.choice"]
+                assert choice.shape == (margin.shape[0], cfg.num_experts_per_tok)
 
 
 def test_the_generator_refuses_a_golden_on_a_near_tie(monkeypatch):
-    from conformance.cases import traces
-
     monkeypatch.setitem(traces.TIE_MARGIN, "argmax", 1e-2)      # the step-1 margin (1.2e-3) is now a "tie"
     (case,) = select(all_cases("tiny"), ["trace/free-P7-D5"])
     with pytest.raises(GoldenError, match=r"trace/free-P7-D5: the golden would sit on a near-tie.*"
@@ -151,8 +153,6 @@ def test_the_generator_refuses_a_golden_on_a_near_tie(monkeypatch):
     pytest.param(3, 1, 1, [0.5], id="k3-one-group"),
 ])
 def test_route_margin(top_k, n_group, topk_group, expected):
-    from conformance.cases.traces import route_margin
-
     choice = np.array([[0.9, 0.1, 0.7, 0.6]])
     logits = np.log(choice / (1 - choice))          # sigmoid(logits) = choice, bias 0
     assert np.allclose(route_margin(logits, np.zeros(4), top_k, n_group, topk_group), expected)
@@ -171,8 +171,8 @@ def test_bf16_traces_pass_with_near_ties_teacher_forced():
         # every bound is the torch-bf16 baseline's own measured cap: 3x its worst on that block
         for t in r.tensors:
             if t.gated and not t.comparison.exact:
-                measured = TINY_TRACE_MEASURED[t.block][1][0]
-                assert t.verdict.bound == pytest.approx(gates.BASELINE_FACTOR * measured), t.tensor
+                worst = measured.TINY_TRACES[t.block][1][0]
+                assert t.verdict.bound == pytest.approx(BASELINE_FACTOR * worst), t.tensor
 
 
 @pytest.mark.gxx
@@ -188,13 +188,26 @@ def test_cuda_emu_trace_names_every_core_that_ran_the_reference():
 def test_a_model_config_with_its_own_measurements_gets_its_own_rows(monkeypatch):
     """Rows '<model>/step*' win over the shared '*/step*' ones: a (deliberately tiny) measurement for `tiny`
     makes the numpy32 baseline fail there, by the new row."""
-    from conformance.cases import traces
-
-    monkeypatch.setattr(gates, "GATES", dict(gates.GATES))
-    monkeypatch.setattr(gates, "BASELINE_GATES", dict(gates.BASELINE_GATES))
-    traces.add_trace_gates("tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))}, "a test")
+    rows, baseline_rows = gate_table.trace_rows("tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))}, "a test")
+    monkeypatch.setattr(gates, "GATES", {**gates.GATES, **rows})
+    monkeypatch.setattr(gates, "BASELINE_GATES", {**gates.BASELINE_GATES, **baseline_rows})
     report = run(select(all_cases("tiny"), ["trace/free-*"]), ["numpy32"], COMMITTED_ROOT, timing=False)
     (r,) = report.results
     assert r.status == "fail" and r.first_failing.tensor.endswith(".logits")
     assert tuple(r.first_failing.gate_key) == ("lm_head", "tiny/step*", "fp32")
     assert "measured 1e-09 worst (a test test)" in r.first_failing.verdict.why
+
+
+@pytest.mark.parametrize("name, parsed", [
+    pytest.param("step1.layer02.3_a", TraceName(1, "a", 2, 3), id="layer"),
+    pytest.param("step0.layer10.2_x_mixer", TraceName(0, "x_mixer", 10, 2), id="two-word"),
+    pytest.param("step3.logits", TraceName(3, "logits"), id="logits"),
+    pytest.param("step3.token", TraceName(3, "token"), id="token"),
+])
+def test_trace_names_read_back_what_they_write(name, parsed):
+    assert TraceName.parse(name) == parsed and str(parsed) == name
+
+
+@pytest.mark.parametrize("name", ["y", "layer00.h", "step1.final", "step1.layer02", "route.step1.layer04.margin"])
+def test_other_names_are_not_trace_tensors(name):
+    assert TraceName.parse(name) is None and layer_of(name) is None

@@ -1,0 +1,157 @@
+"""What a run found, as data: one TensorResult per compared tensor, one CaseResult per (case, backend), and the
+RunReport of a whole run (counts, the first failure line, the JSON form the report files are written from).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from conformance.judge.compare import Comparison
+from conformance.judge.gates import Gate, SpeedResult, Verdict
+
+
+@dataclasses.dataclass
+class TensorResult:
+    """One output tensor of one (case, backend): its metrics, the gate row and the verdict."""
+
+    tensor: str
+    block: str
+    comparison: Comparison
+    gate_key: tuple
+    gate: Gate
+    verdict: Verdict
+    baseline: str | None = None          # the baseline backend name, when the row is baseline-relative
+    baseline_err: float | None = None
+    layer: int | None = None             # trace tensors: the layer index (per-layer error plot)
+    gated: bool = True                   # False: reported only (never fails the case)
+    note: str = ""                       # what the kind says about this tensor (a greedy-token flip, ...)
+
+    @property
+    def baseline_multiple(self) -> float | None:
+        """This tensor's error over the same-precision baseline's ("0.7x the bf16 baseline"), when both exist."""
+        if self.baseline_err is None or self.baseline_err <= 0 or self.comparison.exact:
+            return None
+        return self.comparison.rel_rms / self.baseline_err
+
+    @property
+    def passed(self) -> bool:
+        """The verdict; a reported-only tensor never fails."""
+        return self.verdict.passed or not self.gated
+
+    def to_dict(self) -> dict:
+        return {
+            "tensor": self.tensor, "block": self.block, "passed": self.passed, "layer": self.layer,
+            "gated": self.gated, "within_bound": self.verdict.passed, "note": self.note,
+            "comparison": self.comparison.to_dict(),
+            "gate": {"key": list(self.gate_key), **dataclasses.asdict(self.gate)},
+            "bound": self.verdict.bound, "rule": self.verdict.why,
+            "baseline": self.baseline, "baseline_err": self.baseline_err, "baseline_multiple": self.baseline_multiple,
+        }
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """One (case, backend): status pass | fail | error | skip | n/a, the tensors, an error message, speed.
+
+    skip: the backend's core raised UnsupportedShape (valid inputs it is not built for); `error` says why.
+    n/a: only reference cores would run (or ran) for this backend; `error` says which.
+    role: "baseline" when the backend is the baseline of its precision (gated by its absolute rows).
+    notes: what a kind reports beside the numbers (a model trace: the cores that ran the reference and why).
+    flips: greedy-token flips (step, expected, found, margin); teacher_forced: near-tie choices (argmax or
+    router) for which the backend was given the golden's choice."""
+
+    case: str
+    block: str
+    backend: str
+    precision: str
+    status: str
+    tensors: list[TensorResult] = dataclasses.field(default_factory=list)
+    error: str = ""
+    speed: SpeedResult | None = None
+    seconds: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    role: str = ""
+    flips: list[dict] = dataclasses.field(default_factory=list)
+    teacher_forced: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def first_failing(self) -> TensorResult | None:
+        return next((t for t in self.tensors if not t.passed), None)
+
+    @property
+    def worst(self) -> TensorResult | None:
+        """The gated tensor with the largest error relative to its bound."""
+        gated = [t for t in self.tensors if t.gated]
+        if not gated:
+            return None
+        return max(gated, key=lambda t: (not t.passed, t.comparison.rel_rms / max(t.verdict.bound, 1e-300)))
+
+    def to_dict(self) -> dict:
+        return {
+            "case": self.case, "block": self.block, "backend": self.backend, "precision": self.precision,
+            "status": self.status, "error": self.error, "seconds": self.seconds, "notes": self.notes,
+            "role": self.role, "flips": self.flips, "teacher_forced": self.teacher_forced,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "speed": None if self.speed is None else dataclasses.asdict(self.speed),
+        }
+
+
+@dataclasses.dataclass
+class RunReport:
+    """Everything one `k3conf run` found."""
+
+    config: str
+    backends: list[dict]          # name, precision, available, reason
+    results: list[CaseResult]
+    wall_seconds: float
+    copy_bandwidth: dict          # backend -> bytes/s measured in this run
+    strict_missing: list[str] = dataclasses.field(default_factory=list)   # K3_STRICT=1: backends that must run
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [r for r in self.results if r.status in ("fail", "error")]
+
+    @property
+    def first_failure(self) -> CaseResult | None:
+        return self.failures[0] if self.failures else None
+
+    def counts(self) -> dict[str, int]:
+        """(case, backend) results by verdict: pass, fail (errors included), n/a, skip; and errors, total."""
+        st = [r.status for r in self.results]
+        return {"pass": st.count("pass"), "fail": st.count("fail") + st.count("error"), "n/a": st.count("n/a"),
+                "skip": st.count("skip"), "error": st.count("error"), "total": len(st)}
+
+    def first_failure_line(self) -> str:
+        """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line."""
+        if self.strict_missing:
+            return f"FIRST FAILURE: K3_STRICT=1 and {self.strict_missing[0]}"
+        r = self.first_failure
+        if r is None:
+            c = self.counts()
+            parts = [f"{c['n/a']} n/a: reference core only" if c["n/a"] else "",
+                     f"{c['skip']} skipped: not supported by that backend" if c["skip"] else ""]
+            extra = "; ".join(e for e in parts if e)
+            return (f"ALL PASS: {c['pass']} (case, backend) result(s) within their gates"
+                    + (f" ({extra})" if extra else ""))
+        if r.status == "error":
+            return f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): error: {r.error}"
+        t = r.first_failing
+        if t is None:
+            sp = r.speed
+            assert sp is not None, "a failed result without a failing tensor failed its speed target"
+            return (f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): speed: bw ratio {sp.bw_ratio} "
+                    f"(target {sp.target_bw_ratio}), time ratio {sp.time_ratio} "
+                    f"(target {sp.target_time_ratio}); {sp.note}")
+        return (f"FIRST FAILURE: {r.case} on {r.backend}: outputs.{t.tensor} (block {t.block}): "
+                + (f"{t.note}; " if t.note else "") + f"{t.comparison.summary()} [{t.verdict.why}]")
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failures or self.strict_missing else 0
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
+            "summary": self.counts(), "strict_missing": self.strict_missing,
+            "wall_seconds": self.wall_seconds, "backends": self.backends,
+            "copy_bandwidth": self.copy_bandwidth, "results": [r.to_dict() for r in self.results],
+        }
