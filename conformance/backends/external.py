@@ -9,9 +9,10 @@ A kernel author wraps their callables in the reference cores and hands the resul
 
 `k3conf run --backend my_module:make` (or `./path/to/file.py:make`) loads it; an installed package lists
 it under the entry-point group `k3conf.backends` and it appears by name in `k3conf list backends`; the
-pytest plugin (conformance.pytest_plugin) runs the cases as test items. Before a run, `check_cores` calls
-every core the author supplies on a tiny valid input and names the core whose outputs do not keep the
-interface (docs/interfaces.md), so a wrong signature fails in a second with its name, not as 26 red cells.
+pytest plugin (conformance.pytest_plugin) runs the cases as test items. Before a run, `check_cores`
+(conformance.backends.checks) calls every core the author supplies on a tiny valid input and names the core whose
+outputs do not keep the interface (docs/interfaces.md), so a wrong signature fails in a second with its name,
+not as 26 red cells.
 Cores the author did not swap are the reference's: the runner reports those cases "n/a (reference core)".
 """
 from __future__ import annotations
@@ -21,21 +22,18 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import os
 import sys
 import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-import numpy as np
-
+from conformance.backends.protocol import REQUIRED_MEMBERS, BackendBase, adapt, is_backend
 from conformance.judge.speed import median_seconds, numpy_copy_bandwidth
-from k3ref.cores import CORE_NAMES, Cores, UnsupportedShape, reference_cores
+from k3ref.cores import CORE_NAMES, Cores, reference_cores
 
 PRECISIONS = ("fp64", "fp32", "bf16")
 ENTRY_POINT_GROUP = "k3conf.backends"
-PROTOCOL = ("name", "precision", "available", "cores", "time_core")   # what the runner calls on a backend
 
 
 class BackendError(ValueError):
@@ -43,7 +41,7 @@ class BackendError(ValueError):
 
 
 @dataclasses.dataclass(eq=False)
-class Backend:
+class Backend(BackendBase):
     """A backend made of the reference cores with some swapped for the author's (numpy in, numpy out).
 
     Build it with `Backend.from_cores`. `kernel_cores()` names the swapped cores: cases that exercise none
@@ -109,10 +107,6 @@ class Backend:
         self.cores()
         return self._kernels
 
-    def check(self) -> None:
-        """BackendError naming the first swapped core that breaks the interface on a tiny input."""
-        check_cores(self)
-
     def time_core(self, core: str, inputs: dict) -> float | None:
         """Median host seconds of one of the author's cores over `repeats` calls after a warm-up call;
         None for a reference core (its time says nothing about the author's kernel)."""
@@ -127,94 +121,16 @@ class Backend:
             return None
         return numpy_copy_bandwidth()
 
-    def speed_target(self, block: str) -> float | None:
-        return None
-
-
-# --------------------------------------------------------------------------------------------------
-# checking the swapped cores on tiny inputs before a run
-
-
-def check_cores(backend) -> None:
-    """Call every core the backend supplies on the inputs of its block's tiny cases (made afresh, no golden
-    read; K != V and odd sizes among them), next to the reference core on the same inputs; BackendError
-    naming the core, the case, what was expected and what was found when the call fails, or an output
-    differs in count, type, shape or kind of dtype, or is non-finite where the reference's is finite.
-    Values are not judged here (the run does that); a case the core raises UnsupportedShape on is skipped."""
-    from conformance.cases.core import CORE_SPECS, CORE_TABLE, cast
-
-    cores, base = backend.cores(), reference_cores()
-    kernels = getattr(backend, "kernel_cores", lambda: frozenset(CORE_NAMES))()
-    for name in sorted(kernels):
-        spec = CORE_SPECS.get(name)
-        if spec is None:          # attnres_hub: a factory, exercised by the traces only
-            continue
-        fn, ref = getattr(cores, name), getattr(base, name)
-        for case, params in CORE_TABLE["tiny"]:
-            if case.split("/", 1)[0] != name:
-                continue
-            shape_params = {k: v for k, v in params.items() if k != "entry"}   # a CUDA entry override only
-            inputs, kwargs = spec.make(np.random.default_rng(0), **shape_params)
-            keep = spec.fp32_inputs if backend.precision == "bf16" else ()
-            inputs = {k: cast(v, "fp32" if k in keep else backend.precision) for k, v in inputs.items()}
-            where = f"backend {backend.name}: core {name} on a tiny input like {case} ({_shapes(inputs)})"
-            try:
-                got = fn(**inputs, **kwargs)
-            except UnsupportedShape:
-                continue
-            except TypeError as e:
-                raise BackendError(f"{where}: the call raised TypeError: {e}; expected the signature "
-                                   f"{name}{_plain_signature(ref)} (docs/interfaces.md)") from e
-            except Exception as e:
-                raise BackendError(f"{where}: the call raised {type(e).__name__}: {e}") from e
-            _compare_outputs(where, got, ref(**inputs, **kwargs), spec.outputs)
-
-
-def _plain_signature(fn) -> inspect.Signature:
-    """fn's signature without annotations: `(x, w, eps)` reads better in an error than the type hints."""
-    sig = inspect.signature(fn)
-    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
-                       return_annotation=sig.empty)
-
-
-def _shapes(arrays: dict) -> str:
-    return ", ".join(f"{k} {list(np.shape(v))}" for k, v in arrays.items())
-
-
-def _compare_outputs(where: str, got, want, names: tuple[str, ...]) -> None:
-    got_t = got if isinstance(got, tuple) else (got,)
-    want_t = want if isinstance(want, tuple) else (want,)
-    if len(got_t) != len(want_t):
-        raise BackendError(f"{where}: returned {len(got_t)} value(s), expected {len(want_t)} ({', '.join(names)})")
-    for out, g, w in zip(names, got_t, want_t):
-        w = np.asarray(w)
-        if not isinstance(g, np.ndarray):
-            raise BackendError(f"{where}: output {out} is a {type(g).__module__}.{type(g).__name__}, expected a "
-                               "numpy.ndarray (cores take and return numpy arrays; copy device tensors to the host)")
-        if g.shape != w.shape:
-            raise BackendError(f"{where}: output {out} has shape {list(g.shape)}, expected {list(w.shape)}")
-        if (g.dtype.kind == "f") != (w.dtype.kind == "f") or (w.dtype.kind in "iu" and g.dtype.kind not in "iu"):
-            raise BackendError(f"{where}: output {out} has dtype {g.dtype}, expected {w.dtype} (or another "
-                               f"{'floating' if w.dtype.kind == 'f' else 'integer'} dtype)")
-        if g.dtype.kind == "f":
-            bad = ~np.isfinite(g) & np.isfinite(w)
-            if bad.any():
-                idx = tuple(int(i) for i in np.argwhere(bad)[0])
-                raise BackendError(f"{where}: output {out} holds {int(bad.sum())} non-finite value(s) where the "
-                                   f"reference's are finite (first at {list(idx)}: {g[idx]}, expected {w[idx]})")
 
 
 # --------------------------------------------------------------------------------------------------
 # loading: MODULE:ATTR on the command line, entry points of installed packages
 
 
-def is_backend(obj) -> bool:
-    """A Backend, or any object with the backend protocol (docs/interfaces.md, "Backends")."""
-    return isinstance(obj, Backend) or (not isinstance(obj, type) and all(hasattr(obj, a) for a in PROTOCOL))
-
-
-def as_backend(obj, origin: str, reserved: Collection[str] = ()):
+def as_backend(obj: object, origin: str, reserved: Collection[str] = ()) -> BackendBase:
     """`obj` itself when it is a backend, else the backend `obj()` returns; BackendError naming `origin`.
+    An object with the bare protocol (conformance.backends.protocol.MinimalBackend) comes back wrapped once,
+    with the defaults of the optional members.
 
     `reserved`: names an external backend may not take (the caller's registry of built-in backends)."""
     if not is_backend(obj):
@@ -227,13 +143,14 @@ def as_backend(obj, origin: str, reserved: Collection[str] = ()):
             raise BackendError(f"{origin}: calling it raised {type(e).__name__}: {e}") from e
         if not is_backend(made):
             raise BackendError(f"{origin}() returned a {type(made).__name__}, expected a conformance.Backend "
-                               f"(or an object with {', '.join(PROTOCOL)})")
+                               f"(or an object with {', '.join(REQUIRED_MEMBERS)})")
         obj = made
-    if obj.name in reserved or str(obj.name).startswith("mutant:"):
-        raise BackendError(f"{origin}: the name {obj.name!r} is a built-in backend's; give yours another name")
-    if obj.precision not in PRECISIONS:
-        raise BackendError(f"{origin}: precision expected one of {PRECISIONS}, found {obj.precision!r}")
-    return obj
+    backend = adapt(obj)
+    if backend.name in reserved or str(backend.name).startswith("mutant:"):
+        raise BackendError(f"{origin}: the name {backend.name!r} is a built-in backend's; give yours another name")
+    if backend.precision not in PRECISIONS:
+        raise BackendError(f"{origin}: precision expected one of {PRECISIONS}, found {backend.precision!r}")
+    return backend
 
 
 def is_spec(name: str) -> bool:
@@ -241,7 +158,7 @@ def is_spec(name: str) -> bool:
     return ":" in name and not name.startswith("mutant:")
 
 
-def load(spec: str, reserved: Collection[str] = ()):
+def load(spec: str, reserved: Collection[str] = ()) -> BackendBase:
     """The backend named by 'MODULE:ATTR', where MODULE is an importable module (the current directory
     included) or a path to a .py file, and ATTR (dotted allowed) a Backend or a callable returning one.
     `reserved`: names it may not take (see as_backend)."""
@@ -253,7 +170,7 @@ def load(spec: str, reserved: Collection[str] = ()):
     for part in attr.split("."):
         if not hasattr(obj, part):
             defined = sorted(n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n]))
-            raise BackendError(f"backend {spec!r}: {module.__name__} ({getattr(module, '__file__', '?')}) has no "
+            raise BackendError(f"backend {spec!r}: {module.__name__} ({vars(module).get('__file__', '?')}) has no "
                                f"attribute {attr!r}; its callables: {defined}")
         obj = getattr(obj, part)
     return as_backend(obj, spec, reserved)
@@ -270,6 +187,8 @@ def _import(module_part: str):
         if str(path.parent) not in sys.path:
             sys.path.append(str(path.parent))   # as for `python file.py`: the file's neighbours import
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise BackendError(f"backend module file {module_part!r}: Python cannot load {path} as a module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module          # dataclasses and pickling look their module up here
         try:
@@ -293,7 +212,7 @@ def _import(module_part: str):
 
 
 @dataclasses.dataclass
-class Unloadable:
+class Unloadable(BackendBase):
     """An entry-point backend that failed to load: listed as unavailable with the reason, never run."""
 
     name: str
@@ -306,20 +225,17 @@ class Unloadable:
     def cores(self) -> Cores:
         raise BackendError(f"backend {self.name} is unavailable: {self.reason}")
 
-    def time_core(self, core: str, inputs: dict) -> float | None:
-        return None
-
 
 @functools.cache
 def entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     """name -> entry point of the group `k3conf.backends` over the installed distributions (first one wins)."""
-    found = {}
+    found: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep)
     return found
 
 
-def from_entry_point(name: str, reserved: Collection[str] = ()):
+def from_entry_point(name: str, reserved: Collection[str] = ()) -> BackendBase:
     """The backend of entry point `name`, or an Unloadable carrying why it could not be built.
     `reserved`: names it may not take (see as_backend)."""
     ep = entry_points()[name]

@@ -13,8 +13,8 @@ state [B, H, K, V] in fp32) and, with these options, the math:
 | S: [B, H, K, V] fp32, new state returned                | initial_state (fp32), output_final_state=True     |
 
 `kda_prefill` calls `chunk_kda`, `kda_decode` calls `fused_recurrent_kda` on a T=1 axis. dt_bias is [H*K] for both:
-fused_recurrent_kda's docstring says [HV], but its kernel reads dt_bias[i_hv * K + k] (fla-core 0.6.0). The Triton kernels
-need a CUDA GPU; the backend is unavailable (with the reason) without one, without torch or without fla.
+fused_recurrent_kda's docstring says [HV], but its kernel reads dt_bias[i_hv * K + k] (fla-core 0.6.0). The Triton
+kernels need a CUDA GPU; the backend is unavailable (with the reason) without one, without torch or without fla.
 fla's safe gate accepts -5 <= lower_bound < 0 only: another bound is an UnsupportedShape (a skipped case).
 The cores take and return numpy arrays (the runner's interface), so their host time includes the copies.
 """
@@ -38,7 +38,7 @@ def available() -> tuple[bool, str]:
         return False, "PyTorch is not installed (fla's kernels are torch + Triton): pip install torch fla-core"
     if importlib.util.find_spec("fla") is None:
         return False, "flash-linear-attention is not installed: pip install fla-core"
-    import torch
+    import torch  # noqa: PLC0415 -- optional: this module imports without torch (it reports torch missing)
 
     if not torch.cuda.is_available():
         return False, ("no CUDA GPU (torch.cuda.is_available() is False): fla's chunk_kda / fused_recurrent_kda "
@@ -47,8 +47,8 @@ def available() -> tuple[bool, str]:
         fla_kda = importlib.import_module("fla.ops.kda")
     except Exception as e:  # noqa: BLE001 - e.g. triton missing or too old for this fla
         return False, f"cannot import fla.ops.kda ({type(e).__name__}: {e})"
-    version = getattr(importlib.import_module("fla"), "__version__", "?")
-    missing = [f for f in ("chunk_kda", "fused_recurrent_kda") if not hasattr(fla_kda, f)]
+    version = vars(importlib.import_module("fla")).get("__version__", "?")
+    missing = [f for f in ("chunk_kda", "fused_recurrent_kda") if f not in vars(fla_kda)]
     if missing:
         return False, f"fla {version} has no {missing} in fla.ops.kda"
     return True, f"fla {version} chunk_kda / fused_recurrent_kda on {torch.cuda.get_device_name()}"
@@ -60,13 +60,13 @@ def fla_arguments(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *, lower_boun
     dt_bias [H*K], state [B, H, K, V]) as the keyword arguments of fla's `fused_recurrent_kda`: torch
     tensors on `device`, activations in `dtype` (default: the dtype of q), A_log, dt_bias and the state fp32.
     `chunk_kda` takes the same plus `safe_gate` (see chunk_arguments)."""
-    import torch
+    import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
     B, T, H, K = np.shape(q)
     V = np.shape(v)[-1]
     expect = {"k": (B, T, H, K), "v": (B, T, H, V), "g_raw": (B, T, H, K), "beta_raw": (B, T, H),
               "A_log": (H,), "dt_bias": (H * K,), "state": (B, H, K, V)}
-    for arg, a in zip(expect, (k, v, g_raw, beta_raw, A_log, dt_bias, state)):
+    for arg, a in zip(expect, (k, v, g_raw, beta_raw, A_log, dt_bias, state), strict=True):
         if np.shape(a) != expect[arg]:
             raise ValueError(f"{arg}: expected shape {list(expect[arg])}, found {list(np.shape(a))}")
 
@@ -117,8 +117,8 @@ def fla_cores(base: Cores, chunk_kda, fused_recurrent_kda, *, dtype=None, device
 
 def make_cores(base: Cores, *, dtype_name: str = "bfloat16", device: str = "cuda") -> Cores:
     """`base` with fla's kernels (imported here) as kda_prefill and kda_decode."""
-    import torch
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    import torch  # noqa: PLC0415 -- optional: this module imports without torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: PLC0415 -- optional: fla needs torch and a GPU
 
     return fla_cores(base, chunk_kda, fused_recurrent_kda, dtype=getattr(torch, dtype_name), device=device)
 

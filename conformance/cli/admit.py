@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conformance.cli.usage import UsageError
+from k3ref.config import PRESETS, K3Config
+from k3ref.weights import CheckpointError, admit_checkpoint
+
 
 def load_config(spec: str | None, directory: Path | None = None):
     """A K3Config from a preset name, a config.json path, or (spec None) DIR/config.json."""
-    from conformance.cli.usage import UsageError
-    from k3ref.config import PRESETS, K3Config
-
     try:
         if spec is None:
             if directory is None or not (directory / "config.json").is_file():
@@ -42,9 +43,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from conformance.cli.usage import UsageError
-    from k3ref.weights import CheckpointError, admit_checkpoint
-
     if args.limit < 0:
         raise UsageError(f"--limit: expected an int >= 0, found {args.limit}")
     cfg = load_config(args.config, args.dir)

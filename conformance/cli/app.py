@@ -1,4 +1,5 @@
-"""The `k3conf` command line. Each subcommand lives in conformance/cli/<name>.py with register(); COMMANDS lists them."""
+"""The `k3conf` command line. Each subcommand lives in conformance/cli/<name>.py with register(); COMMANDS lists
+them."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,8 @@ from conformance import __version__
 from conformance.cli import admit, blocks, decode, model, regen, run, show
 from conformance.cli import list as list_
 from conformance.cli.usage import UsageError
+from conformance.golden.errors import GoldenError
+from conformance.session import SessionError
 
 COMMANDS = (admit, blocks, decode, list_, model, regen, run, show)   # `k3conf --help` lists them in this order
 
@@ -29,14 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
+    if "func" not in args:   # no subcommand given
         parser.print_help()
         return EXIT_USAGE
-    from conformance.golden.store import GoldenError
-
     try:
         return int(args.func(args) or 0)
-    except (UsageError, GoldenError) as e:   # GoldenError here: an unreadable manifest or golden (regen, show)
+    # SessionError: a run that cannot start; GoldenError: an unreadable manifest or golden (regen, show)
+    except (UsageError, SessionError, GoldenError) as e:
         print(f"k3conf {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

@@ -5,8 +5,17 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+
 from conformance.cli.admit import load_config
+from conformance.cli.run import add_tp_options
 from conformance.cli.usage import UsageError
+from conformance.tp.cli import decode_tp_command
+from k3ref.cpu_forward import K3CpuModel
+from k3ref.greedy import greedy_decode
+from k3ref.weights import CheckpointError, admit_checkpoint, inventory_totals, num_parameters
 
 
 def register(sub) -> None:
@@ -19,8 +28,6 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    from conformance.cli.run import add_tp_options
-
     add_tp_options(p)
     p.set_defaults(func=run)
 
@@ -48,8 +55,6 @@ def decode_bytes(cfg, prompt_len: int, max_new: int, itemsize: int, synthetic: b
     The MLA cache is allocated whole for prompt + max_new tokens (pages of 64, one spare); the logits of
     every step are kept ([max_new, vocab], twice while stacked); synthetic weights are materialised.
     """
-    from k3ref.weights import inventory_totals
-
     tokens = prompt_len + max_new
     pages = -(-tokens // 64) + 1
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -81,14 +86,6 @@ def _check_request(args, cfg, prompt: list[int], synthetic: bool, itemsize: int)
 
 
 def run(args) -> int:
-    import numpy as np
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from k3ref.cpu_forward import K3CpuModel
-    from k3ref.greedy import greedy_decode
-    from k3ref.weights import CheckpointError, admit_checkpoint, num_parameters
-
     try:
         prompt = [int(t) for t in args.prompt.split(",") if t.strip()]
     except ValueError:
@@ -101,8 +98,6 @@ def run(args) -> int:
         raise UsageError(f"--config {args.config}: {num_parameters(cfg) / 1e9:,.0f}B parameters is too large to "
                          "synthesise on the CPU; use tiny or small, or give --checkpoint")
     if args.tp != 1:
-        from conformance.tp.cli import decode_tp_command
-
         return decode_tp_command(args, cfg, prompt)
     dtype = np.dtype(args.dtype)
     _check_request(args, cfg, prompt, checkpoint is None, dtype.itemsize)

@@ -1,6 +1,12 @@
 """`k3conf list`: the cases, the backends (available here or why not), the mutants and the gate table."""
 from __future__ import annotations
 
+from conformance.backends.protocol import ALL_CORES
+from conformance.backends.registry import MUTANTS, availability, get_backend
+from conformance.cases.catalog import all_cases
+from conformance.cli.usage import UsageError
+from conformance.judge.gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
+
 SECTIONS = ("cases", "backends", "mutants", "gates")
 
 
@@ -14,16 +20,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from conformance.backends.registry import ALL_CORES, MUTANTS, availability, get_backend, kernel_cores
-    from conformance.cases.core import all_cases, load_plugins
-    from conformance.cli.usage import UsageError
-    from conformance.judge.gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
-
     unknown = [w for w in args.what if w not in SECTIONS]
     if unknown:
         raise UsageError(f"unknown section(s) {unknown}; expected any of {list(SECTIONS)}")
     what = args.what or SECTIONS
-    load_plugins()    # the model traces register their own gate rows and mutant on import
     if "cases" in what:
         cases = all_cases(args.config)
         print(f"cases ({args.config}, {len(cases)}):")
@@ -32,7 +32,7 @@ def run(args) -> int:
     if "backends" in what:
         print("backends:")
         for name, prec, ok, why in availability():
-            own = kernel_cores(get_backend(name)) if ok else ALL_CORES
+            own = get_backend(name).kernel_cores() if ok else ALL_CORES
             only = "" if own == ALL_CORES else f" [kernels: {', '.join(sorted(own))}; other cores: k3ref's]"
             print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}{only}")
     if "mutants" in what:

@@ -6,6 +6,9 @@ embeddings, norms), MLA cache bytes per token and KDA state bytes per sequence (
 from __future__ import annotations
 
 from conformance.cli.admit import load_config
+from conformance.cli.usage import UsageError
+from k3ref.tp import GROUPS, TpPlan
+from k3ref.weights import active_parameters, inventory_totals, num_parameters
 
 
 def register(sub) -> None:
@@ -27,10 +30,6 @@ MAX_PLANNED_TENSORS = 5_000_000
 
 
 def run_info(args) -> int:
-    from conformance.cli.usage import UsageError
-    from k3ref.tp import GROUPS, TpPlan
-    from k3ref.weights import active_parameters, inventory_totals, num_parameters
-
     cfg = load_config(args.config)
     try:
         cfg.validate_tp(args.tp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.cases.traces import PROMPT, GoldenFeed
+from conformance.cases.trace_run import PROMPT, GoldenFeed
 from conformance.tp.rank import kda_slices
 from k3ref.config import K3Config
 from k3ref.cores import reference_cores
@@ -40,29 +40,30 @@ class _CaptureComm:
 def schedule(cfg: K3Config, steps: int) -> list[tuple[int, int | None, str]]:
     """(step, layer, sum) of every all-reduce of a trace of `steps` steps (the prefill + one per decoded
     token), in call order."""
-    out = []
+    out: list[tuple[int, int | None, str]] = []
     for s in range(steps):
         out.append((s, None, "embedding"))
-        for l in range(cfg.num_hidden_layers):
-            out.append((s, l, "mixer"))
-            if not cfg.mlp_is_dense(l):
-                out.append((s, l, "routed latent"))
+        for layer in range(cfg.num_hidden_layers):
+            out.append((s, layer, "mixer"))
+            if not cfg.mlp_is_dense(layer):
+                out.append((s, layer, "routed latent"))
     return out
 
 
-def _expected(plan: TpPlan, rank: int, weights: dict, inter: dict, outputs: dict, s: int, l: int, what: str):
+def _expected(plan: TpPlan, rank: int, weights: dict, inter: dict, outputs: dict, s: int, layer: int, what: str):
     model = K3CpuModel(plan.local_config(), {n: plan.shard(n, w, rank) for n, w in weights.items()
                                              if plan.holds(n, rank)}, np.float64,
                        tp=plan.rank(rank, _CaptureComm()))
-    key = f"step{s}.layer{l:02d}"
+    key = f"step{s}.layer{layer:02d}"
     cores = reference_cores()
     if what == "mixer":
         cache = model.new_cache()
         seq = cache.add_sequence()
-        GoldenFeed(kda_slices(inter, plan, rank, plan.cfg.kda_head_dim), "fp64").layer_cache(cache, seq, s, l)
-        return mixer_forward(ForwardContext(model, cores, seq, prefill=(s == 0)), l, outputs[f"{key}.2_x_mixer"], cache)
+        GoldenFeed(kda_slices(inter, plan, rank, plan.cfg.kda_head_dim), "fp64").layer_cache(cache, seq, s, layer)
+        ctx = ForwardContext(model, cores, seq, prefill=(s == 0))
+        return mixer_forward(ctx, layer, outputs[f"{key}.2_x_mixer"], cache)
     try:
-        latent_moe_forward(model.layer(l).sub("block_sparse_moe."), outputs[f"{key}.5_x_mlp"], model.moe_cfg, cores,
+        latent_moe_forward(model.layer(layer).sub("block_sparse_moe."), outputs[f"{key}.5_x_mlp"], model.moe_cfg, cores,
                            experts=model.tp.experts, all_reduce=model.tp.comm.all_reduce)
     except _Captured as c:
         return c.value
@@ -77,22 +78,22 @@ def blame_ranks(case, golden, outs: dict, tp: int) -> list[str]:
     plan = TpPlan(cfg, tp)
     weights, inter, outputs = golden.group("weights"), golden.group("inter"), golden.group("outputs")
     steps = len(golden.group("inputs")["tokens"]) - golden.kwargs.get("prompt", len(PROMPT)) + 1
-    for i, (s, l, what) in enumerate(schedule(cfg, steps)):
+    for i, (s, layer, what) in enumerate(schedule(cfg, steps)):
         got = outs.get(f"tp.partial.{i:04d}")
         if got is None:
             return [f"rank partials stop at all-reduce #{i}: the ranks ran another schedule than step {s}"]
-        if l is None:
+        if layer is None:
             continue
         bad = []
         for r in range(tp):
-            want = _expected(plan, r, weights, inter, outputs, s, l, what)
+            want = _expected(plan, r, weights, inter, outputs, s, layer, what)
             if got[r].shape != want.shape:
-                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {l} has shape {list(got[r].shape)}, "
-                           f"its share of the golden {list(want.shape)}")
+                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {layer} has shape "
+                           f"{list(got[r].shape)}, its share of the golden {list(want.shape)}")
                 continue
-            err = np.linalg.norm(got[r] - want) / max(np.linalg.norm(want), 1e-300)
+            err = float(np.linalg.norm(got[r] - want)) / max(float(np.linalg.norm(want)), 1e-300)
             if not err <= PARTIAL_RTOL:
-                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {l} differs from its share of the "
+                bad.append(f"rank {r}: its {what} partial sum at step {s} layer {layer} differs from its share of the "
                            f"golden (rel err {err:.1e}): that rank's shard or its heads are what goes wrong")
         if bad:
             return bad

@@ -1,22 +1,31 @@
-"""The `--tp N` branches of `k3conf run` and `k3conf decode`."""
+"""The `--tp N` branches of `k3conf run` and `k3conf decode`. Bad usage is a SessionError (the command line
+prints it and exits 2), so that this front end needs nothing of the command line that calls it."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
-from conformance.cli.usage import UsageError
+from rich.console import Console
+
+from conformance import report as rep
+from conformance.cases.catalog import select
+from conformance.session import SessionError, cases_of, golden_root
 from conformance.tp.launch import TpFailure, check_dist, default_dist
+from conformance.tp.rank import make_plan
+from conformance.tp.tprun import TRACE_KIND, check_plan, execute, run_tp
 
 
 def _common(args) -> str:
-    """The collective backend, or UsageError before any process starts."""
+    """The collective backend, or SessionError before any process starts."""
     if args.tp < 1:
-        raise UsageError(f"--tp: expected a positive number of ranks, found {args.tp}")
+        raise SessionError(f"--tp: expected a positive number of ranks, found {args.tp}")
     dist = args.dist or default_dist(args.tp)
     try:
         check_dist(dist, args.tp)
     except TpFailure as e:
-        raise UsageError(str(e)) from None
+        raise SessionError(str(e)) from None
     return dist
 
 
@@ -26,31 +35,23 @@ def _announce(pids: list[int]) -> None:
 
 def run_tp_command(args) -> int:
     """`k3conf run --tp N`: the trace cases on N ranks; exit 0 all pass, 1 a failure or a failed rank."""
-    from rich.console import Console
-
-    from conformance import report as rep
-    from conformance.cases.core import all_cases, select
-    from conformance.golden.store import MANIFEST, default_root
-    from conformance.tp.tprun import TRACE_KIND, check_plan, run_tp
-
     dist = _common(args)
     if args.backend and set(args.backend) != {"numpy64"}:
-        raise UsageError(f"--tp runs the float64 reference cores (numpy64) on every rank; found --backend {args.backend}")
-    traces = [c for c in all_cases(args.config) if c.kind == TRACE_KIND]
+        raise SessionError("--tp runs the float64 reference cores (numpy64) on every rank; found --backend "
+                           f"{args.backend}")
+    traces = cases_of(args.config, TRACE_KIND)
     cases = select(traces, args.cases) if args.cases else traces
     if not cases:
-        raise UsageError(f"--tp runs the model traces ({', '.join(c.name for c in traces) or 'none'} in config "
+        raise SessionError(f"--tp runs the model traces ({', '.join(c.name for c in traces) or 'none'} in config "
                          f"{args.config!r}); no trace case matches {args.cases}")
     try:
-        check_plan(args.config, args.tp, getattr(args, "tp_mutant", None))
+        check_plan(args.config, args.tp, args.tp_mutant)
     except ValueError as e:
-        raise UsageError(f"--tp {args.tp}: {e}") from None
-    root = args.golden or default_root(args.config)
-    if not (root / MANIFEST).exists():
-        raise UsageError(f"no goldens in {root} (no {MANIFEST}); generate them with: k3conf regen --config {args.config}")
+        raise SessionError(f"--tp {args.tp}: {e}") from None
+    root = golden_root(args.golden, args.config)
     try:
         report = run_tp(cases, root, config=args.config, tp=args.tp, dist=dist, timeout=args.tp_timeout,
-                        mutant=getattr(args, "tp_mutant", None), on_start=_announce)
+                        mutant=args.tp_mutant, on_start=_announce)
     except TpFailure as e:
         print(f"k3conf run --tp {args.tp}: {e}", file=sys.stderr)
         return 1
@@ -61,24 +62,18 @@ def run_tp_command(args) -> int:
     try:
         paths = rep.write_reports(report, args.report)
     except OSError as e:
-        raise UsageError(f"cannot write the reports to {args.report} ({e}); pass --report DIR") from None
+        raise SessionError(f"cannot write the reports to {args.report} ({e}); pass --report DIR") from None
     console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
     return report.exit_code
 
 
 def decode_tp_command(args, cfg, prompt: list[int]) -> int:
     """`k3conf decode --tp N`: greedy decode on N ranks; prints the tokens (rank 0)."""
-    import dataclasses
-    import json
-
-    from conformance.tp.rank import make_plan
-    from conformance.tp.tprun import execute
-
     dist = _common(args)
     try:
         make_plan(cfg, args.tp, None)
     except ValueError as e:
-        raise UsageError(f"--tp {args.tp}: {e}") from None
+        raise SessionError(f"--tp {args.tp}: {e}") from None
     job = {"kind": "decode", "tp": args.tp, "dist": dist, "timeout": args.tp_timeout,
            "config_json": json.loads(json.dumps(dataclasses.asdict(cfg))),
            "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None, "seed": args.seed,

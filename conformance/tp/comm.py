@@ -21,7 +21,7 @@ class TorchComm:
         self.record: list | None = None
 
     def _tensor(self, a: np.ndarray):
-        import torch
+        import torch  # noqa: PLC0415 -- optional: torch is needed only when ranks run
 
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, copy=True)
 
@@ -34,7 +34,7 @@ class TorchComm:
                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
     def all_reduce(self, a: np.ndarray) -> np.ndarray:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 -- optional: torch is needed only when ranks run
 
         a = np.asarray(a)
         if self.record is not None:
@@ -44,8 +44,8 @@ class TorchComm:
         return t.cpu().numpy().astype(a.dtype, copy=False)
 
     def all_gather(self, a: np.ndarray) -> np.ndarray:
-        import torch
-        import torch.distributed as dist
+        import torch  # noqa: PLC0415 -- optional: torch is needed only when ranks run
+        import torch.distributed as dist  # noqa: PLC0415 -- optional: torch is needed only when ranks run
 
         a = np.asarray(a)
         t = self._tensor(a)
@@ -54,6 +54,6 @@ class TorchComm:
         return np.stack([o.cpu().numpy() for o in out]).astype(a.dtype, copy=False)
 
     def barrier(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 -- optional: torch is needed only when ranks run
 
         self._run("barrier", lambda: dist.barrier(group=self.group))

@@ -12,6 +12,7 @@ error names the rank that went first and why (a signal, or its exception), then 
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -50,7 +51,7 @@ def env_rank() -> tuple[int, int, int]:
 def default_dist(tp: int) -> str:
     """nccl when every rank of this machine can have its own GPU, else gloo."""
     try:
-        import torch
+        import torch  # noqa: PLC0415 -- optional: the package imports without torch
 
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= tp else "gloo"
     except ImportError:
@@ -62,8 +63,8 @@ def check_dist(dist: str, tp: int) -> None:
     if dist not in DIST_BACKENDS:
         raise TpFailure(f"--dist: expected one of {DIST_BACKENDS}, found {dist!r}")
     try:
-        import torch
-        import torch.distributed as tdist
+        import torch  # noqa: PLC0415 -- optional: the package imports without torch
+        import torch.distributed as tdist  # noqa: PLC0415 -- optional: the package imports without torch
     except ImportError as e:
         raise TpFailure(f"--tp needs torch (pip install 'k3-conformance[torch]'): {e}") from None
     if not tdist.is_available():
@@ -80,14 +81,12 @@ def init_group(dist: str, timeout_s: float):
     The rendezvous waits up to RENDEZVOUS_S for the slowest rank to start (imports on a busy machine); the
     collectives of the returned group wait `timeout_s`, so a hang is found sooner than a slow start.
     """
-    import datetime
-
-    import torch.distributed as tdist
+    import torch.distributed as tdist  # noqa: PLC0415 -- optional: the package imports without torch
 
     rank, size, local = env_rank()
     device = "cpu"
     if dist == "nccl":
-        import torch
+        import torch  # noqa: PLC0415 -- optional: the package imports without torch
 
         device = f"cuda:{local}"
         torch.cuda.set_device(local)
@@ -141,7 +140,7 @@ def spawn(job: dict, workdir: Path, *, grace: float = GRACE_S, on_start=None) ->
 
 def _watch(procs: list, grace: float) -> set[int]:
     """Wait for every child; once one failed, kill the survivors after `grace` seconds (returns those)."""
-    first_fail, stopped = None, set()
+    first_fail, stopped = None, set[int]()
     while True:
         rcs = [p.poll() for p in procs]
         if all(rc is not None for rc in rcs):
@@ -187,7 +186,8 @@ def _cause(rank: int, proc, workdir: Path, stopped: set[int], grace: float) -> t
         except ValueError:
             name = str(-rc)
         return 0, f"rank {rank} (pid {proc.pid}) died: killed by signal {name}"
-    return 0, f"rank {rank} (pid {proc.pid}) exited with status {rc} without an error report (see {workdir}/rank{rank}.log)"
+    return 0, (f"rank {rank} (pid {proc.pid}) exited with status {rc} without an error report "
+               f"(see {workdir}/rank{rank}.log)")
 
 
 def _explain(procs: list, workdir: Path, stopped: set[int], grace: float) -> str:

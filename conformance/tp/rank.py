@@ -20,21 +20,28 @@ import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
+from conformance.backends.registry import get_backend
+from conformance.cases.trace_run import GoldenFeed, Stepper, guard_kernels
+from conformance.golden.store import golden_path
 from conformance.tp.comm import CollectiveError, TorchComm
 from conformance.tp.launch import error_path, init_group
+from conformance.tp.mutants import plan_mutant
+from k3ref.config import K3Config
+from k3ref.cpu_forward import K3CpuModel
+from k3ref.greedy import greedy_decode
 from k3ref.safetensors_io import ITEMSIZE  # the golden stores bf16 weights as exact F32: bytes by its dtype
+from k3ref.tp import TpPlan
+from k3ref.tp_weights import SliceReader, read_rank_shard, synthetic_rank_shard
+from k3ref.weights import CheckpointReader, read_header
 
 RANK_FIELDS = ("rank", "pid", "bytes_read", "resident", "plan_bytes", "plan_replicated", "tensors")
 
 
 def make_plan(cfg, tp: int, mutant: str | None):
-    from k3ref.tp import TpPlan
-
     if not mutant:
         return TpPlan(cfg, tp)
-    from conformance.tp.mutants import plan_mutant
-
     return plan_mutant(mutant)(cfg, tp)
 
 
@@ -45,7 +52,7 @@ def _rank_row(rank: int, cost, plan, itemsize=None) -> np.ndarray:
 
 
 def _gather_ranks(comm, row: np.ndarray) -> list[dict]:
-    return [dict(zip(RANK_FIELDS, map(int, r))) for r in comm.all_gather(row)]
+    return [dict(zip(RANK_FIELDS, map(int, r), strict=True)) for r in comm.all_gather(row)]
 
 
 # ----- trace -----
@@ -65,14 +72,6 @@ def kda_slices(inter: dict, plan, rank: int, head_dim: int) -> dict:
 
 def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list[dict]]:
     """One trace case on this rank: (rank 0: outputs by name, else None; every rank's byte row)."""
-    from conformance.backends.registry import get_backend, kernel_cores
-    from conformance.cases.traces import GoldenFeed, Stepper, guard_kernels
-    from conformance.golden.store import golden_path
-    from k3ref.config import K3Config
-    from k3ref.cpu_forward import K3CpuModel
-    from k3ref.tp_weights import SliceReader, read_rank_shard
-    from k3ref.weights import read_header
-
     cfg = K3Config.preset(job["model"][case])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
     path = golden_path(Path(job["golden_root"]), case)
@@ -89,7 +88,7 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     if job["mode"][case] == "layerwise":
         inter = {k[len("inter."):]: inputs.view(k, h) for k, h in entries.items() if k.startswith("inter.")}
         feed = GoldenFeed(kda_slices(inter, plan, rank, cfg.kda_head_dim), backend.precision)
-    cores, _, _ = guard_kernels(backend.cores(), kernel_cores(backend))
+    cores, _, _ = guard_kernels(backend.cores(), backend.kernel_cores())
     out = Stepper(model, cores, feed, prompt_len=job["prompt"][case]).run(tokens)
     partials, comm.record = comm.record, None
     for name in sorted(out):
@@ -113,16 +112,9 @@ def run_trace(job: dict, rank: int, comm) -> dict | None:
 # ----- decode -----
 
 def run_decode(job: dict, rank: int, comm) -> dict | None:
-    from k3ref.config import K3Config
-    from k3ref.cpu_forward import K3CpuModel
-    from k3ref.greedy import greedy_decode
-    from k3ref.tp_weights import read_rank_shard, synthetic_rank_shard
-
     cfg = K3Config.from_json(job["config_json"])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
     if job.get("checkpoint"):
-        from k3ref.weights import CheckpointReader
-
         shard, cost = read_rank_shard(plan, rank, CheckpointReader(job["checkpoint"]).entries)
     else:
         shard, cost = synthetic_rank_shard(plan, rank, job["seed"])
@@ -138,7 +130,7 @@ JOBS = {"trace": run_trace, "decode": run_decode}
 
 def run_job(job: dict) -> dict | None:
     """Join the group, run the job on this rank, leave the group; rank 0 returns the result."""
-    import torch.distributed as tdist
+    import torch.distributed as tdist  # noqa: PLC0415 -- optional: torch is needed only when ranks run
 
     rank, size, device, group = init_group(job["dist"], job["timeout"])
     if job.get("workdir"):
@@ -158,8 +150,6 @@ def run_job(job: dict) -> dict | None:
 
 def write_result(result: dict, workdir: Path) -> None:
     """Rank 0's result: tensors as safetensors, the rest as JSON, each written to a temp file and renamed."""
-    from safetensors.numpy import save_file
-
     tmp = workdir / "result.safetensors.tmp"
     save_file({k: np.ascontiguousarray(v) for k, v in result.pop("tensors").items()}, str(tmp))
     os.replace(tmp, workdir / "result.safetensors")
@@ -169,8 +159,6 @@ def write_result(result: dict, workdir: Path) -> None:
 
 
 def read_result(workdir: Path) -> dict:
-    from safetensors.numpy import load_file
-
     result = json.loads((workdir / "result.json").read_text())
     result["tensors"] = load_file(str(workdir / "result.safetensors"))
     return result

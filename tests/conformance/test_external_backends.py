@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 from conformance import Backend
-from conformance.backends import external
+from conformance.backends import external, fla
 from conformance.backends import registry as backends
-from conformance.backends.external import BackendError, check_cores
-from conformance.cases.core import CORE_SPECS, CORE_TABLE, all_cases, select
+from conformance.backends.checks import check_cores
+from conformance.backends.external import BackendError
+from conformance.cases.catalog import all_cases, select
+from conformance.cases.core import CORE_SPECS, CORE_TABLE
 from conformance.cli import main as k3conf
 from conformance.golden.store import COMMITTED_ROOT
 from conformance.runner import case_runner
@@ -139,7 +141,8 @@ def _nan_output(base):
                  r"core rmsnorm .* output y is a builtins.list, expected a numpy.ndarray", id="list-output"),
     pytest.param("rmsnorm", _nan_output, r"core rmsnorm .* 1 non-finite value\(s\) .*\(first at \[0, 3\]: nan",
                  id="nan-output"),
-    pytest.param("moe_route", lambda base: lambda *a, **k: tuple(np.asarray(t, np.float32) for t in base.moe_route(*a, **k)),
+    pytest.param("moe_route",
+                 lambda base: lambda *a, **k: tuple(np.asarray(t, np.float32) for t in base.moe_route(*a, **k)),
                  r"core moe_route .* output indices has dtype float32, expected int64", id="float-indices"),
     pytest.param("mxfp4_gemv", lambda base: lambda *a, **k: 1 / 0,
                  r"core mxfp4_gemv .* raised ZeroDivisionError", id="crash"),
@@ -174,7 +177,8 @@ GOOD_MODULE = """
     from conformance import Backend
 
     def make():
-        return Backend.from_cores("good-ext", "fp32", lambda base: base.replace(rmsnorm=lambda *a, **k: base.rmsnorm(*a, **k)))
+        return Backend.from_cores("good-ext", "fp32",
+                                  lambda base: base.replace(rmsnorm=lambda *a, **k: base.rmsnorm(*a, **k)))
 
     not_a_backend = 42
 
@@ -191,9 +195,11 @@ GOOD_MODULE = """
     pytest.param("{dir}/missing.py:make", r"backend module file .*missing.py' not found", id="no-file"),
     pytest.param("{dir}/good.py:mak", r"has no attribute 'mak'; its callables: \[.*'make'", id="no-attribute"),
     pytest.param("{dir}/good.py:not_a_backend", r"is a int, expected a conformance.Backend", id="wrong-type"),
-    pytest.param("{dir}/good.py:returns_a_string", r"returned a str, expected a conformance.Backend", id="wrong-return"),
+    pytest.param("{dir}/good.py:returns_a_string", r"returned a str, expected a conformance.Backend",
+                 id="wrong-return"),
     pytest.param("{dir}/good.py:numpy32", r"the name 'numpy32' is a built-in backend's", id="built-in-name"),
-    pytest.param("{dir}/broken.py:make", r"importing .*broken.py raised ModuleNotFoundError: .*kernel_lib_x", id="import-fails"),
+    pytest.param("{dir}/broken.py:make", r"importing .*broken.py raised ModuleNotFoundError: .*kernel_lib_x",
+                 id="import-fails"),
     pytest.param("{dir}/good.py", r"expected MODULE:ATTR", id="no-attr"),
 ])
 def test_load_errors_name_what_is_wrong(tmp_path, spec, expect):
@@ -216,7 +222,8 @@ def test_load_finds_a_module_in_the_working_directory(tmp_path, monkeypatch):
 
 
 def test_a_backend_file_imports_its_neighbours(tmp_path, monkeypatch):
-    _write(tmp_path / "k3conf_neighbour_kernels.py", "def rmsnorm(base):\n    return lambda *a, **k: base.rmsnorm(*a, **k)\n")
+    _write(tmp_path / "k3conf_neighbour_kernels.py",
+           "def rmsnorm(base):\n    return lambda *a, **k: base.rmsnorm(*a, **k)\n")
     _write(tmp_path / "k3_backend.py", """
         from conformance import Backend
         from k3conf_neighbour_kernels import rmsnorm
@@ -353,8 +360,6 @@ def test_fla_is_unavailable_here_with_the_reason():
     torch = pytest.importorskip("torch", reason="the fla adapter needs torch to say more than 'no torch'")
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: fla may be available here")
-    from conformance.backends import fla
-
     ok, why = fla.available()
     assert not ok
     assert "no CUDA GPU" in why or "pip install fla-core" in why
@@ -362,8 +367,6 @@ def test_fla_is_unavailable_here_with_the_reason():
 
 def test_fla_mapping_rejects_a_bound_outside_the_safe_gate():
     pytest.importorskip("torch", reason="fla's arguments are torch tensors")
-    from conformance.backends import fla
-
     inputs, _ = CORE_SPECS["kda_prefill"].make(np.random.default_rng(0), B=1, T=2, H=1, K=4, V=4)
     with pytest.raises(UnsupportedShape, match="lower_bound < 0, found -6"):
         fla.chunk_arguments(**inputs, lower_bound=-6.0)
@@ -395,8 +398,8 @@ FLA_FLAGS = {"use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_
 def _fla_kernel_on_cpu(naive, chunk: bool):
     """A stand-in for chunk_kda / fused_recurrent_kda: what their docstrings say each argument does, with fla's
     naive recurrence for the math. Anything the docstrings do not define for K3 fails the test."""
-    import torch
-    import torch.nn.functional as F
+    import torch  # noqa: PLC0415 -- optional: torch is not required to collect this module
+    import torch.nn.functional as F  # noqa: PLC0415 -- optional: torch is not required to collect this module
 
     def kernel(*, q, k, v, g, beta, A_log, dt_bias, initial_state, **flags):
         assert set(flags) <= FLA_FLAGS, f"unexpected arguments {set(flags) - FLA_FLAGS}"
@@ -425,14 +428,12 @@ def _fla_kernel_on_cpu(naive, chunk: bool):
                                           if n.startswith(("kda_decode/", "kda_prefill/"))])
 def test_fla_adapter_computes_k3_kda_with_flas_naive_recurrence(case, params):
     naive = _fla_naive()
-    from conformance.backends import fla
-
     block = case.split("/")[0]
     inputs, kwargs = CORE_SPECS[block].make(np.random.default_rng(1), **params)
     cores = fla.fla_cores(reference_cores(), _fla_kernel_on_cpu(naive, chunk=True),
                           _fla_kernel_on_cpu(naive, chunk=False), device="cpu")
     got = getattr(cores, block)(**inputs, **kwargs)
     want = getattr(reference_cores(), block)(**inputs, **kwargs)
-    for out, g, w in zip(("o", "state"), got, want):
+    for out, g, w in zip(("o", "state"), got, want, strict=True):
         assert g.shape == w.shape, out
         assert rel_rms(g, w) <= tol("fp32_vs_fp64"), (out, rel_rms(g, w))

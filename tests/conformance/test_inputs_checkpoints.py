@@ -7,13 +7,16 @@ import shutil
 import struct
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  numpy's bfloat16, which safe_open's numpy tensors need
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
+from safetensors import deserialize, safe_open
 
 from conformance.cli import main
 from k3ref.config import K3Config
+from k3ref.cpu_forward import K3CpuModel
+from k3ref.greedy import greedy_decode
 from k3ref.safetensors_io import FormatError, loads_strict, parse_bytes
 from k3ref.weights import (
     INDEX_FILE,
@@ -183,8 +186,6 @@ def test_decode_refuses_bf16_labelled_f16_before_computing(ckpt, capsys):
 
 
 def test_loading_a_checkpoint_checks_dtypes(ckpt, tiny):
-    from k3ref.cpu_forward import K3CpuModel
-
     name = L + "2.self_attn.kv_b_proj.weight"
     _relabel(_shard_of(ckpt, name), name, "F16")
     with pytest.raises(ValueError, match=rf"{name}: expected shape \[.*\] \(BF16\).*found \[.*\] \(F16\)"):
@@ -204,9 +205,6 @@ def test_decode_refuses_f32_where_an_mxfp4_pack_belongs(ckpt, capsys):
 
 
 def test_e8m0_nan_scale_names_tensor_layer_and_expert(ckpt, tiny):
-    from k3ref.cpu_forward import K3CpuModel
-    from k3ref.greedy import greedy_decode
-
     model = K3CpuModel.from_checkpoint(ckpt, tiny)
     for layer in range(1, tiny.num_hidden_layers):   # poison every expert's w1 scale of every MoE layer
         for e in range(tiny.n_routed_experts):
@@ -322,8 +320,6 @@ def _mutate_header(blob: bytes, data) -> bytes:
 
 def _library_loads(blob: bytes) -> bool:
     """The safetensors library's own verdict on the format (its Rust deserializer, every tensor's bytes)."""
-    from safetensors import deserialize
-
     try:
         deserialize(blob)
         return True
@@ -349,7 +345,6 @@ def test_fuzzed_shard_only_raises_a_named_error_and_never_passes_what_safetensor
 def test_fuzzed_checkpoint_admit_and_reader(pristine, tmp_path_factory, tiny, data):
     """admit and the reader fail only with a CheckpointError naming the shard or the index, and admit never
     accepts a checkpoint that safetensors' safe_open refuses to load."""
-    import ml_dtypes  # noqa: F401  numpy's bfloat16, which safe_open's numpy tensors need
     d = tmp_path_factory.mktemp("fz")
     for f in pristine.iterdir():
         (d / f.name).symlink_to(f)

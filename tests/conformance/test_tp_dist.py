@@ -16,10 +16,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
+from conformance.cases.catalog import all_cases
 from conformance.cli import main as cli_main
+from conformance.golden.store import read_golden
+from conformance.tp import launch as tp_launch
+from conformance.tp.blame import blame_ranks
+from conformance.tp.launch import TpFailure, spawn
+from conformance.tp.mutants import plan_mutant
+from conformance.tp.rank import trace_case
+from conformance.tp.tprun import run_tp
 from k3ref.config import K3Config
-from k3ref.tp import TpPlan
+from k3ref.tp import LoopbackGroup, TpPlan
+from k3ref.tp_weights import read_rank_shard
+from k3ref.weights import read_header
 
 pytest.importorskip("torch.distributed")
 
@@ -53,8 +64,6 @@ def test_tp_run_passes_the_tp1_goldens(tp_run):
 
 
 def _golden_outputs(case: str) -> int:
-    from k3ref.weights import read_header
-
     return sum(k.startswith("outputs.") for k in read_header(ROOT / "golden" / f"{case}.safetensors"))
 
 
@@ -108,10 +117,6 @@ def test_decode_tp_holds_the_plan_of_model_info(capfd):
 def test_wrong_split_axis_is_refused_naming_the_layer_and_rank(rank):
     """The ranks build their shard with this very call (conformance.tp.rank); a refusal there ends the run
     with the message below as the rank's cause."""
-    from conformance.tp.mutants import plan_mutant
-    from k3ref.tp_weights import read_rank_shard
-    from k3ref.weights import read_header
-
     plan = plan_mutant("g_proj-row-split")(K3Config.preset("tiny"), 2)
     entries = read_header(ROOT / "golden" / "trace" / "layerwise-P7-D5.safetensors")
     with pytest.raises(ValueError, match=rf"rank {rank}: language_model\.model\.layers\.0\.self_attn\.g_proj\.weight: "
@@ -132,12 +137,6 @@ def test_a_rank_reading_another_ranks_heads_fails_naming_layer_and_rank(tmp_path
 
 def test_a_rank_missing_its_shard_ends_every_rank_naming_it(tmp_path):
     """Rank 1 holds experts 4..6 at tp 2: without one of them it raises, rank 0's collective fails, both end."""
-    from safetensors.numpy import load_file, save_file
-
-    from conformance.cases.core import all_cases
-    from conformance.tp.launch import TpFailure
-    from conformance.tp.tprun import run_tp
-
     gold = tmp_path / "golden"
     (gold / "trace").mkdir(parents=True)
     (gold / "MANIFEST.json").write_text((ROOT / "golden" / "MANIFEST.json").read_text())
@@ -162,8 +161,6 @@ FAULT_GRACE_S = 3.0   # the launcher's wait for the other ranks to fail on their
 def _start_decode(workdir: Path, timeout: float = 30.0):
     """A long greedy decode on 2 spawned ranks, in a thread; returns (pids, outcome, thread) once both ranks
     have joined the group and are decoding. outcome["error"] is the TpFailure message (None on success)."""
-    from conformance.tp.launch import TpFailure, spawn
-
     cfg = K3Config.preset("tiny")
     job = {"kind": "decode", "tp": 2, "dist": "gloo", "timeout": timeout, "workdir": str(workdir),
            "config_json": json.loads(json.dumps(dataclasses.asdict(cfg))), "checkpoint": None, "seed": 0,
@@ -218,14 +215,12 @@ def _zombie(pid: int) -> bool:
 
 
 def test_impossible_plans_are_refused_before_any_process(monkeypatch, capsys):
-    import conformance.tp.launch as launch
-
-    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(tp_launch, "spawn", lambda *a, **k: pytest.fail("a process was started"))
     assert cli_main(["run", "--tp", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
     assert cli_main(["decode", "--prompt", "1,2", "--tp", "8"]) == 2
     assert "does not divide" in capsys.readouterr().err
-    import torch
+    import torch  # noqa: PLC0415 -- optional: a top-level import would fail collection before importorskip
 
     if not torch.cuda.is_available():
         assert cli_main(["run", "--tp", "2", "--dist", "nccl"]) == 2
@@ -280,12 +275,6 @@ def test_blame_checks_every_partial_sum_of_every_rank(mutant, want):
     """The rank code on threads: with the right plan every recorded partial sum (mixers and routed latents of
     every layer and step) equals that rank's share recomputed from the golden; with a mutant the ranks at
     fault are named."""
-    from conformance.cases.core import all_cases
-    from conformance.golden.store import read_golden
-    from conformance.tp.blame import blame_ranks
-    from conformance.tp.rank import trace_case
-    from k3ref.tp import LoopbackGroup
-
     case = next(c for c in all_cases("tiny") if c.name == TRACES[0])
     job = {"tp": 2, "config": "tiny", "golden_root": str(ROOT / "golden"), "mode": {case.name: "layerwise"},
            "model": {case.name: "tiny"}, "prompt": {case.name: 7}, "mutant": mutant}
@@ -293,4 +282,4 @@ def test_blame_checks_every_partial_sum_of_every_rank(mutant, want):
     schedule_len = 6 * (1 + 7 + 6)      # steps x (embedding + 7 mixers + 6 MoE layers) of tiny
     assert sum(k.startswith("tp.partial.") for k in outs) == schedule_len
     got = blame_ranks(case, read_golden(ROOT / "golden", case.name), outs, 2)
-    assert len(got) == len(want) and all(line.startswith(w) for line, w in zip(got, want)), got
+    assert len(got) == len(want) and all(line.startswith(w) for line, w in zip(got, want, strict=True)), got

@@ -1,0 +1,226 @@
+"""What a backend is: the protocol the runner calls, the base class that supplies its optional parts, and the
+adapter that gives an object written against the bare protocol those parts once, when it is loaded.
+
+A backend has `name`, `precision` ("fp64" | "fp32" | "bf16"), `available() -> (bool, reason)`, `cores() -> Cores`
+and `time_core(core, inputs) -> float | None` (median seconds, data resident). The rest is optional; BackendBase
+supplies it:
+- `device`: "cpu" (a backend on an accelerator says so: K3_STRICT=1 forgives it for being unavailable);
+- `kernel_cores() -> frozenset[str]`: the names (k3ref.cores.CORE_NAMES) of the cores the backend supplies itself;
+  every other core it hands out is k3ref's. Default: all of them. The runner reads a case none of whose cores
+  is a kernel core as "n/a (reference core)";
+- `copy_bandwidth() -> bytes/s | None` and `speed_target(block) -> float | None`: None, no speed claim;
+A whole-model backend (an eager model with no swappable cores) subclasses WholeModelBackend: it adds
+`evaluate_trace(...)` and `time_trace(...)`, and the trace kind hands it the whole trace.
+Every backend of this package subclasses BackendBase; `adapt` wraps any other protocol object in ForeignBackend
+(ForeignWholeModel when it has `evaluate_trace`).
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Collection, Mapping
+from typing import Any, Protocol, TypeGuard, runtime_checkable
+
+from conformance.cases.protocol import Evaluation
+from k3ref.cores import CORE_NAMES, Cores
+
+ALL_CORES = frozenset(CORE_NAMES)
+REQUIRED_MEMBERS = ("name", "precision", "available", "cores", "time_core")   # what every backend must have
+
+
+@runtime_checkable
+class MinimalBackend(Protocol):
+    """The members every backend must have (REQUIRED_MEMBERS); an object with these is a backend."""
+
+    name: str
+    precision: str
+
+    def available(self) -> tuple[bool, str]: ...
+
+    def cores(self) -> Cores: ...
+
+    def time_core(self, core: str, inputs: dict) -> float | None: ...
+
+
+class BackendProtocol(MinimalBackend, Protocol):
+    """Everything the runner calls on a backend: the required members and the optional ones."""
+
+    @property
+    def device(self) -> str: ...
+
+    def kernel_cores(self) -> frozenset[str]: ...
+
+    def copy_bandwidth(self) -> float | None: ...
+
+    def speed_target(self, block: str) -> float | None: ...
+
+
+@runtime_checkable
+class WholeModelProtocol(Protocol):
+    """What a whole-model backend adds: it runs a model trace by its own wiring instead of on cores."""
+
+    def evaluate_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int,
+                       router_budget: float = 0.0) -> Evaluation: ...
+
+    def time_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int) -> tuple[float, int] | None: ...
+
+
+class BackendBase(abc.ABC):
+    """A backend with the optional members' defaults (see the module docstring); subclasses supply the rest."""
+
+    name: str
+    precision: str
+
+    @property
+    def device(self) -> str:
+        """Where the cores run; "cpu" unless the backend says otherwise."""
+        return "cpu"
+
+    @abc.abstractmethod
+    def available(self) -> tuple[bool, str]:
+        """(True, what runs) or (False, why it cannot run here)."""
+
+    @abc.abstractmethod
+    def cores(self) -> Cores:
+        """The cores a case runs on."""
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        """Median seconds of one call of `core` on `inputs`; None: not timed."""
+        return None
+
+    def kernel_cores(self) -> frozenset[str]:
+        """The cores this backend supplies itself."""
+        return ALL_CORES
+
+    def copy_bandwidth(self) -> float | None:
+        """Bytes/s of a large copy on this backend's device; None: no bandwidth ratio is claimed."""
+        return None
+
+    def speed_target(self, block: str) -> float | None:
+        """The bandwidth ratio `block` must reach; None: reported, not gated."""
+        return None
+
+
+class WholeModelBackend(BackendBase):
+    """A backend that runs the model traces by its own wiring (an eager model): the trace kind hands it the
+    whole trace instead of running the trace on its cores."""
+
+    @abc.abstractmethod
+    def evaluate_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int,
+                       router_budget: float = 0.0) -> Evaluation:
+        """The trace tensors of `golden`, its router near-ties below `router_budget` teacher-forced."""
+
+    def time_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int) -> tuple[float, int] | None:
+        """(seconds, bytes) of one whole trace; None: not timed."""
+        return None
+
+
+# One protocol per optional member, so that the adapter below asks the foreign object what it has by type.
+@runtime_checkable
+class _HasDevice(Protocol):
+    @property
+    def device(self) -> str: ...
+
+
+@runtime_checkable
+class _HasKernelCores(Protocol):
+    def kernel_cores(self) -> Collection[str]: ...
+
+
+@runtime_checkable
+class _HasCopyBandwidth(Protocol):
+    def copy_bandwidth(self) -> float | None: ...
+
+
+@runtime_checkable
+class _HasSpeedTarget(Protocol):
+    def speed_target(self, block: str) -> float | None: ...
+
+
+@runtime_checkable
+class _HasEvaluateTrace(Protocol):
+    def evaluate_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int,
+                       router_budget: float = 0.0) -> Evaluation: ...
+
+
+@runtime_checkable
+class _HasTimeTrace(Protocol):
+    def time_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int) -> tuple[float, int] | None: ...
+
+
+class ForeignBackend(BackendBase):
+    """An object with the backend protocol that does not subclass BackendBase: the members it has are used, the
+    defaults stand in for the others. What it has is read once, here."""
+
+    def __init__(self, obj: MinimalBackend):
+        self.obj = obj
+        self.name, self.precision = obj.name, obj.precision
+        self._kernel_cores = obj if isinstance(obj, _HasKernelCores) else None
+        self._copy_bandwidth = obj if isinstance(obj, _HasCopyBandwidth) else None
+        self._speed_target = obj if isinstance(obj, _HasSpeedTarget) else None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.obj!r})"
+
+    @property
+    def device(self) -> str:
+        # read when asked, not at wrapping: a device property may import a library or fail on a bad setting
+        return self.obj.device if isinstance(self.obj, _HasDevice) else "cpu"
+
+    def available(self) -> tuple[bool, str]:
+        return self.obj.available()
+
+    def cores(self) -> Cores:
+        return self.obj.cores()
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        return self.obj.time_core(core, inputs)
+
+    def kernel_cores(self) -> frozenset[str]:
+        if self._kernel_cores is None:
+            return super().kernel_cores()
+        return frozenset(self._kernel_cores.kernel_cores())
+
+    def copy_bandwidth(self) -> float | None:
+        return super().copy_bandwidth() if self._copy_bandwidth is None else self._copy_bandwidth.copy_bandwidth()
+
+    def speed_target(self, block: str) -> float | None:
+        return super().speed_target(block) if self._speed_target is None else self._speed_target.speed_target(block)
+
+
+
+class ForeignWholeModel(ForeignBackend, WholeModelBackend):
+    """A foreign object that also has `evaluate_trace` (WholeModelProtocol): a whole-model backend."""
+
+    def __init__(self, obj: MinimalBackend):
+        super().__init__(obj)
+        self.model = obj if isinstance(obj, _HasEvaluateTrace) else None
+        self._time_trace = obj if isinstance(obj, _HasTimeTrace) else None
+
+    def evaluate_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int,
+                       router_budget: float = 0.0) -> Evaluation:
+        if self.model is None:
+            raise TypeError(f"{self.obj!r} has no evaluate_trace(); ForeignWholeModel wraps whole-model backends only")
+        return self.model.evaluate_trace(case, golden, config_json, prompt_len, router_budget=router_budget)
+
+    def time_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int) -> tuple[float, int] | None:
+        if self._time_trace is None:
+            return None
+        return self._time_trace.time_trace(case, golden, config_json, prompt_len)
+
+
+def is_backend(obj: object) -> TypeGuard[BackendBase | MinimalBackend]:
+    """A BackendBase, or an instance (not a class) with the members of MinimalBackend."""
+    return isinstance(obj, BackendBase) or (not isinstance(obj, type) and isinstance(obj, MinimalBackend))
+
+
+def adapt(obj: BackendBase | MinimalBackend) -> BackendBase:
+    """`obj` itself when it subclasses BackendBase, else `obj` wrapped in ForeignBackend (ForeignWholeModel when
+    it has `evaluate_trace`)."""
+    if isinstance(obj, BackendBase):
+        return obj
+    return ForeignWholeModel(obj) if isinstance(obj, _HasEvaluateTrace) else ForeignBackend(obj)
+
+
+def kernel_cores(backend: BackendBase | MinimalBackend) -> frozenset[str]:
+    """The cores `backend` supplies itself (all of them when it does not say)."""
+    return adapt(backend).kernel_cores()

@@ -1,0 +1,116 @@
+"""The conformance cases as pytest items, on the backend named by `--k3conf-backend` (conformance.pytest_plugin
+loads this plugin only when that option is given; see its docstring for the options).
+
+The run is prepared by conformance.session, as for `k3conf run`: the backend checked (an external one's cores
+tried on tiny inputs first), the cases selected, the goldens found.
+"""
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from conformance.cases.catalog import select
+from conformance.report import print_terminal
+from conformance.results import CaseResult, RunReport
+from conformance.runner import case_runner
+from conformance.session import SessionError, cases_of, checked_backend, golden_root
+
+
+def pytest_configure(config) -> None:
+    spec = config.getoption("k3conf_backend")
+    config.pluginmanager.register(ConformanceSession(config, spec), "k3conf-session")
+
+
+class CaseFailed(AssertionError):
+    """A case that failed its gates (or errored) on the backend; the message is the runner's first-failure line."""
+
+
+class ConformanceSession:
+    """The backend, the cases and one runner (goldens and baseline errors cached) for a pytest session."""
+
+    def __init__(self, config, spec: str):
+        try:
+            check = checked_backend(spec)
+        except SessionError as e:
+            raise pytest.UsageError(f"--k3conf-backend {spec}: {e}") from None
+        self.backend, self.ok, self.why = check.backend, check.available, check.reason
+        cfg = config.getoption("k3conf_config")
+        patterns = config.getoption("k3conf_cases")
+        self.cases = select(cases_of(cfg), patterns)
+        if not self.cases:
+            raise pytest.UsageError(f"--k3conf-cases {patterns}: no case matches in config {cfg!r}; "
+                                    "`k3conf list cases` shows them")
+        golden = config.getoption("k3conf_golden")
+        try:
+            root = golden_root(Path(golden) if golden else None, cfg)
+        except SessionError as e:
+            raise pytest.UsageError(str(e)) from None
+        self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"))
+        self.results: list[CaseResult] = []   # every item run, for the summary table
+        config.addinivalue_line("markers", "k3conf: a K3 conformance case (k3-conformance)")
+        for block in dict.fromkeys(c.block for c in self.cases):
+            config.addinivalue_line("markers", f"{block}: K3 conformance cases of the block {block}")
+
+    def report(self, results) -> RunReport:
+        row = {"name": self.backend.name, "precision": self.backend.precision, "available": self.ok, "reason": self.why}
+        return RunReport(config=self.runner.config, backends=[row], results=list(results),
+                         wall_seconds=sum(r.seconds for r in results), copy_bandwidth={})
+
+    def run(self, case):
+        res = self.runner.run_one(case, self.backend)
+        self.results.append(res)
+        return res, self.report([res]).first_failure_line()
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints."""
+        if not self.results:
+            return
+        text = io.StringIO()
+        width = max(100, shutil.get_terminal_size().columns)
+        print_terminal(self.report(self.results), Console(file=text, width=width))
+        terminalreporter.section("k3conf")
+        terminalreporter.write(text.getvalue())
+
+    @pytest.hookimpl(tryfirst=True)   # before -k / -m deselect
+    def pytest_collection_modifyitems(self, session, config, items) -> None:
+        for case in self.cases:
+            item = CaseItem.from_parent(session, name=case.name, nodeid=case.name, case=case, conformance=self)
+            item.add_marker("k3conf")
+            item.add_marker(case.block)
+            items.append(item)
+
+    def pytest_report_header(self, config) -> str:
+        state = "available" if self.ok else "unavailable"
+        return (f"k3conf: backend {self.backend.name} ({self.backend.precision}, {state}: {self.why}), "
+                f"{len(self.cases)} case(s) of {self.runner.config}, goldens in {self.runner.root}")
+
+
+class CaseItem(pytest.Item):
+    """One conformance case on the session's backend."""
+
+    def __init__(self, *, case, conformance: ConformanceSession, **kwargs):
+        super().__init__(**kwargs)
+        self.case, self.conformance = case, conformance
+
+    def runtest(self) -> None:
+        if not self.conformance.ok:
+            pytest.skip(f"backend {self.conformance.backend.name} unavailable: {self.conformance.why}")
+        res, line = self.conformance.run(self.case)
+        if res.status == "skip":
+            pytest.skip(res.error)
+        if res.status == "n/a":        # only k3ref's reference core would run: neither a pass nor a fail
+            pytest.skip(f"n/a (reference core): {res.error}")
+        if res.status != "pass":
+            raise CaseFailed(line)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, CaseFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, f"k3conf {self.case.name} on {self.conformance.backend.name}"
