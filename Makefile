@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test bench clean-venv
+.PHONY: setup run lint test bench clean-venv
 
 # Idempotent: re-runs only when pyproject.toml changes. torch is pinned to the CPU build that this
 # machine kind keeps on disk; an unpinned torch would pull a multi-GB CUDA build.
@@ -20,7 +20,12 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/k3conf run
 
-test: setup
+# ruff (style, import order, imports at the top) and mypy (types) over the packages, the tests and the tools
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench: setup
