@@ -12,6 +12,7 @@ Layer indices: `full_attn_layers` is 1-indexed as published; every method taking
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -153,6 +154,12 @@ class K3Config:
 
         Accepts the multimodal wrapper (`text_config`) or a plain text config; published nested spelling
         (`linear_attn_config`) or flat field names. Aliases that disagree raise ValueError.
+
+        Unknown keys: a published config carries many keys this geometry does not use (rope, token ids,
+        quantization, ...), so an unknown key is accepted and ignored, unless it is so close to a key this
+        reader knows (difflib ratio >= UNKNOWN_KEY_CUTOFF) that it is most likely that key misspelled: then
+        ValueError names both ("unknown field 'rms_norm_esp' in config.json; did you mean 'rms_norm_eps'?").
+        Published keys that merely look like known ones (`qk_head_dim`, `head_dim`) are listed as ignored.
         """
         if isinstance(path_or_dict, Mapping):
             raw = dict(path_or_dict)
@@ -227,6 +234,13 @@ _LINEAR_ATTN_KEYS = {
     "use_full_rank_gate": "use_full_rank_gate",
     "gate_lower_bound": "gate_lower_bound",
 }
+# Keys this reader understands besides the fields and their published names (checked or used elsewhere).
+_OTHER_KEYS = ("moe_router_activation_func", "num_key_value_heads", "layer_types", "kda_layers",
+               "linear_attn_config", "text_config", "model_type", "hidden_act")
+# Published keys that are not misspellings although they resemble a known key: accepted and not used.
+_IGNORED_KEYS = ("qk_head_dim", "head_dim", "conv_kernel_size")
+# How similar (difflib ratio) an unknown key must be to a known one to be taken for its misspelling.
+UNKNOWN_KEY_CUTOFF = 0.85
 # layer_types spellings seen in HF-style configs -> is MLA
 _LAYER_KINDS = {"kda": False, "linear_attention": False, "mla": True, "attention": True, "full_attention": True}
 
@@ -273,13 +287,25 @@ def _named_fields(raw: Mapping) -> tuple[dict[str, Any], Mapping]:
             _put(out, key, value, key)
         elif key in published:
             _put(out, published[key], value, key)
+    _check_misspelled(raw, names | set(published) | set(_OTHER_KEYS), "")
     lac = raw.get("linear_attn_config") or {}
     if not isinstance(lac, Mapping):
         raise ValueError(f"config: linear_attn_config must be an object, found {type(lac).__name__}")
+    _check_misspelled(lac, set(_LINEAR_ATTN_KEYS) | {"kda_layers"}, "linear_attn_config.")
     for key, field in _LINEAR_ATTN_KEYS.items():
         if key in lac:
             _put(out, field, lac[key], f"linear_attn_config.{key}")
     return out, lac
+
+
+def _check_misspelled(raw: Mapping, known: set[str], where: str) -> None:
+    """ValueError for an unknown key close to a known one (see K3Config.from_json); other unknown keys pass."""
+    for key in raw:
+        if key in known or key in _IGNORED_KEYS or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=UNKNOWN_KEY_CUTOFF)
+        if close:
+            raise ValueError(f"config: unknown field '{where}{key}' in config.json; did you mean '{where}{close[0]}'?")
 
 
 def _check_router_and_kv_heads(raw: Mapping, out: dict[str, Any]) -> None:
@@ -409,6 +435,10 @@ def _validate(c: K3Config) -> None:
         v = getattr(c, name)
         if v % MXFP4_GROUP:
             raise ValueError(f"config: {name}={v} must be a multiple of {MXFP4_GROUP} (MXFP4 scale group)")
+    for name in ("situ_beta", "situ_linear_beta", "routed_scaling_factor"):
+        v = getattr(c, name)
+        if not v > 0:   # softcap divides by the SiTU betas; a scale <= 0 flips or zeroes every routed expert's output
+            raise ValueError(f"config: {name} must be > 0, found {v}")
     if c.gate_lower_bound is not None and not c.gate_lower_bound < 0:
         raise ValueError(f"config: gate_lower_bound must be < 0 (log-decay), found {c.gate_lower_bound}")
 

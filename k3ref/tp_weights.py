@@ -45,6 +45,11 @@ class SliceReader:
             self._maps[h.path] = np.memmap(h.path, dtype=np.uint8, mode="r")
         return self._maps[h.path][h.begin:h.end].view(numpy_dtype(h.dtype)).reshape(h.shape)
 
+    @property
+    def mappings(self) -> dict[Path, np.memmap]:
+        """The files mapped so far, by path (a measuring reader locates its views in them)."""
+        return self._maps
+
     def copy(self, part: np.ndarray, elements: int | None = None) -> np.ndarray:
         """Copy a slice of a view out of the mapping; `elements` (default all) is what the copy reads."""
         out = np.array(part, copy=True)

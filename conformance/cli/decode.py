@@ -14,7 +14,7 @@ from conformance.cli.run import add_tp_options
 from conformance.cli.usage import UsageError
 from conformance.tp.cli import decode_tp_command
 from k3ref.cpu_forward import K3CpuModel
-from k3ref.greedy import greedy_decode
+from k3ref.greedy import NonFiniteLogits, greedy_decode, non_finite_weight
 from k3ref.weights import CheckpointError, admit_checkpoint, inventory_totals, num_parameters
 
 
@@ -112,12 +112,36 @@ def run(args) -> int:
     try:
         model = (K3CpuModel.from_checkpoint(args.checkpoint, cfg, dtype) if args.checkpoint
                  else K3CpuModel.synthetic(cfg, args.seed, dtype))
-        with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
-            task = bar.add_task("decoding", total=args.max_new)
-            result = greedy_decode(model, prompt, args.max_new, on_token=lambda _t: bar.advance(task))
+        tokens = _decode(model, prompt, args.max_new)
     except ValueError as e:
         raise UsageError(str(e)) from None
     except KeyError as e:  # a tensor the config needs is not in the checkpoint (k3conf admit lists them all)
         raise UsageError(f"{e.args[0]}; run `k3conf admit {args.checkpoint}`") from None
-    print(",".join(map(str, result.tokens)))
+    except _NonFinite as e:
+        print(f"k3conf decode: {e}", file=sys.stderr)
+        return 1
+    print(",".join(map(str, tokens)))
     return 0
+
+
+class _NonFinite(Exception):
+    """The decode met a NaN / Inf (in the logits, or a weight the forward checks): a failure, exit 1."""
+
+
+def _decode(model: K3CpuModel, prompt: list[int], max_new: int) -> list[int]:
+    """The greedy tokens; _NonFinite naming the checkpoint tensor (layer, expert) behind a non-finite value.
+
+    The forward's own finite checks name a weight by its local name (`o_proj.weight`); the scan of the
+    model's weights names it as the checkpoint does, which is what a kernel engineer can look up.
+    """
+    try:
+        with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
+            task = bar.add_task("decoding", total=max_new)
+            return greedy_decode(model, prompt, max_new, on_token=lambda _t: bar.advance(task)).tokens
+    except ValueError as e:
+        source = non_finite_weight(model)
+        if source is not None:
+            raise _NonFinite(f"{e}; {source}") from None
+        if isinstance(e, NonFiniteLogits):   # finite weights, non-finite logits: no token can be chosen
+            raise _NonFinite(f"{e}; every weight is finite: the forward itself overflowed") from None
+        raise

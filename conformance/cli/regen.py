@@ -30,7 +30,7 @@ _SAY = {
     "changed": "CHANGED, not overwritten (rerun with --accept to overwrite)", "accepted": "changed, overwritten",
     "drift": "DRIFT", "missing": "MISSING",
     "stale": "STALE manifest entry (no case of this config owns it; k3conf regen prunes it)",
-    "pruned": "stale manifest entry pruned (no case owns it; the file, if any, is left alone)",
+    "pruned": "stale manifest entry pruned (no case of this config owns it; the file, if any, is left alone)",
     "leftover": "LEFTOVER temporary file of an interrupted regen (k3conf regen removes it)",
     "removed": "temporary file of an interrupted regen removed",
 }
@@ -48,7 +48,8 @@ def run(args) -> int:
         raise UsageError(f"--out {str(root)[:300]}: not usable as a golden directory ({e.strerror})") from None
     known = [c.name for c in all_cases(args.config)]
     try:
-        outcomes = regenerate(cases, root, check=args.check, accept=args.accept, known=known)
+        outcomes = regenerate(cases, root, check=args.check, accept=args.accept, known=known,
+                              config=args.config)
     except OSError as e:
         raise UsageError(f"cannot write the goldens to {str(root)[:300]} ({e.strerror}: {e.filename}); "
                          f"`k3conf regen --check{' --out ' + str(root) if args.out else ''}` says what is there "

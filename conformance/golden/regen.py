@@ -128,7 +128,7 @@ def _compare(case: Case, path: Path, blob: bytes, old: bytes | None, check: bool
 
 
 def regenerate(cases: Iterable[Case], root: Path, *, check: bool = False, accept: bool = False,
-               known: Iterable[str] | None = None) -> list[RegenOutcome]:
+               known: Iterable[str] | None = None, config: str | None = None) -> list[RegenOutcome]:
     """Recompute every case's golden under `root`.
 
     Without check: write new files; leave identical ones (and rounding-only drift, <= ROUNDING_DRIFT) alone;
@@ -136,8 +136,11 @@ def regenerate(cases: Iterable[Case], root: Path, *, check: bool = False, accept
     every golden whose bytes differ (status 'accepted', drift shown).
     With check: write nothing; 'drift' for a changed golden (or one the manifest does not list as it is),
     'missing' for an absent one, 'leftover' for a temporary file a killed regeneration left.
-    known: every case name of the config; manifest entries of no known case are 'stale' under check and
-    'pruned' (entry dropped, file left alone) otherwise.
+    known, config: every case name of `config`; manifest entries of `config` that no known case owns are
+    'stale' under check and 'pruned' (entry dropped, file left alone) otherwise. An entry that names another
+    config is never stale here: one golden directory may hold several configs' goldens (`--out DIR`), and a
+    regeneration of one config knows nothing of the others' cases. An entry whose config cannot be read
+    (malformed) belongs to no config, so every regeneration may report and prune it.
 
     Writing is all or nothing, under the directory lock (regen_lock): every new file is first written and
     fsynced as an unnamed temporary, then all are renamed into place and MANIFEST.json is replaced last,
@@ -147,14 +150,17 @@ def regenerate(cases: Iterable[Case], root: Path, *, check: bool = False, accept
     Leftover temporary files are removed first.
     """
     root = Path(root)
+    if known is not None and config is None:
+        raise ValueError("regenerate: known case names need their config (which manifest entries they cover)")
+    owned = None if known is None else (str(config), frozenset(known))
     if check and not root.is_dir():   # nothing to read, and --check creates nothing
-        return _regenerate(cases, root, check, accept, known)
+        return _regenerate(cases, root, check, accept, owned)
     with regen_lock(root, shared=check):
-        return _regenerate(cases, root, check, accept, known)
+        return _regenerate(cases, root, check, accept, owned)
 
 
 def _regenerate(cases: Iterable[Case], root: Path, check: bool, accept: bool,
-                known: Iterable[str] | None) -> list[RegenOutcome]:
+                owned: tuple[str, frozenset[str]] | None) -> list[RegenOutcome]:
     outcomes = _leftovers(root, check)
     manifest = load_manifest(root)
     files = manifest["files"]
@@ -163,8 +169,8 @@ def _regenerate(cases: Iterable[Case], root: Path, check: bool, accept: bool,
     try:
         for case in cases:
             outcomes.append(_regenerate_case(case, root, files, check, accept, staged, relist))
-        if known is not None:
-            outcomes += _stale_entries(root, files, known, check, relist)
+        if owned is not None:
+            outcomes += _stale_entries(root, files, owned, check, relist)
         if check:
             return outcomes
         with signals_deferred():
@@ -213,16 +219,26 @@ def _regenerate_case(case: Case, root: Path, files: dict, check: bool, accept: b
     return RegenOutcome(case.name, path, status, drift)
 
 
-def _stale_entries(root: Path, files: dict, known: Iterable[str], check: bool, relist: dict) -> list[RegenOutcome]:
-    """Manifest rows that no case of this config owns: reported under --check, dropped otherwise."""
+def _stale_entries(root: Path, files: dict, owned: tuple[str, frozenset[str]], check: bool,
+                   relist: dict) -> list[RegenOutcome]:
+    """Manifest rows of this config that no case of it owns: reported under --check, dropped otherwise.
+    Rows of another config are left alone (see regenerate)."""
+    config, known = owned
     outcomes = []
-    owned = {golden_path(root, name).relative_to(root).as_posix() for name in known}
-    for rel in sorted(set(files) - owned):
+    paths = {golden_path(root, name).relative_to(root).as_posix() for name in known}
+    for rel in sorted(set(files) - paths):
+        if _entry_config(files[rel]) not in (None, config):
+            continue
         outcomes.append(RegenOutcome(rel, root / rel, "stale" if check else "pruned",
                                      note="a manifest entry no case of this config owns"))
         if not check:
             relist[rel] = None
     return outcomes
+
+
+def _entry_config(entry) -> str | None:
+    """The config a manifest row was written for; None when the row is malformed (it belongs to none)."""
+    return entry["config"] if entry_problem(entry) is None else None
 
 
 def _commit(root: Path, manifest: dict, staged: list, relist: dict) -> None:

@@ -1,5 +1,10 @@
 """The `--tp N` branches of `k3conf run` and `k3conf decode`. Bad usage is a SessionError (the command line
-prints it and exits 2), so that this front end needs nothing of the command line that calls it."""
+prints it and exits 2), so that this front end needs nothing of the command line that calls it.
+
+Exit status: 0 every gate passed, 1 a failed gate or a failed rank, 2 bad usage (found before any rank
+starts, the report folder included), 128 + N when signal N (SIGINT, SIGTERM, SIGHUP) stopped the run: then
+every rank has been ended and the work directory removed, and one line says so.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +16,9 @@ from rich.console import Console
 
 from conformance import report as rep
 from conformance.cases.catalog import select
-from conformance.session import SessionError, cases_of, golden_root
+from conformance.session import SessionError, cases_of, check_report_dir, golden_root
 from conformance.tp.launch import TpFailure, check_dist, default_dist
+from conformance.tp.lifetime import TpStopped, stop_on_signals
 from conformance.tp.rank import make_plan
 from conformance.tp.tprun import TRACE_KIND, check_plan, execute, run_tp
 
@@ -49,9 +55,14 @@ def run_tp_command(args) -> int:
     except ValueError as e:
         raise SessionError(f"--tp {args.tp}: {e}") from None
     root = golden_root(args.golden, args.config)
+    check_report_dir(args.report)
     try:
-        report = run_tp(cases, root, config=args.config, tp=args.tp, dist=dist, timeout=args.tp_timeout,
-                        mutant=args.tp_mutant, on_start=_announce)
+        with stop_on_signals():
+            report = run_tp(cases, root, config=args.config, tp=args.tp, dist=dist, timeout=args.tp_timeout,
+                            mutant=args.tp_mutant, on_start=_announce)
+    except TpStopped as e:
+        print(f"k3conf run --tp {args.tp}: {e}", file=sys.stderr)
+        return e.exit_code
     except TpFailure as e:
         print(f"k3conf run --tp {args.tp}: {e}", file=sys.stderr)
         return 1
@@ -61,8 +72,10 @@ def run_tp_command(args) -> int:
     rep.print_terminal(report, console)
     try:
         paths = rep.write_reports(report, args.report)
-    except OSError as e:
-        raise SessionError(f"cannot write the reports to {args.report} ({e}); pass --report DIR") from None
+    except OSError as e:   # the folder was writable before the run; it is not now
+        print(f"k3conf run --tp {args.tp}: cannot write the reports to {args.report} ({e.strerror or e})",
+              file=sys.stderr)
+        return report.exit_code or 2   # a failed gate still says 1
     console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
     return report.exit_code
 
@@ -79,7 +92,11 @@ def decode_tp_command(args, cfg, prompt: list[int]) -> int:
            "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None, "seed": args.seed,
            "prompt": prompt, "max_new": args.max_new, "dtype": args.dtype}
     try:
-        result = execute(job, on_start=_announce)
+        with stop_on_signals():
+            result = execute(job, on_start=_announce)
+    except TpStopped as e:
+        print(f"k3conf decode --tp {args.tp}: {e}", file=sys.stderr)
+        return e.exit_code
     except TpFailure as e:
         print(f"k3conf decode --tp {args.tp}: {e}", file=sys.stderr)
         return 1

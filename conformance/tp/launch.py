@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from conformance.tp.lifetime import PARENT_ENV
+
 DIST_BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 60.0     # a collective that waits longer raises: a peer hangs or took another path
 RENDEZVOUS_S = 300.0        # how long the ranks wait for each other to start
@@ -110,7 +112,10 @@ def error_path(workdir: Path, rank: int) -> Path:
 def spawn(job: dict, workdir: Path, *, grace: float = GRACE_S, on_start=None) -> list[int]:
     """Run `job` on job["tp"] child processes; returns their pids once all exited 0, else raises TpFailure.
 
-    on_start(pids) is called once every child has started (the CLI prints the pids).
+    on_start(pids) is called once every child has started (the CLI prints the pids). Any exception on the
+    way (TpStopped from a signal included) kills every child started so far before it propagates; a child
+    ends by itself when this thread's process dies (conformance.tp.lifetime), so keep the calling thread alive
+    for as long as the children run (this function returns only once they all exited).
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +126,7 @@ def spawn(job: dict, workdir: Path, *, grace: float = GRACE_S, on_start=None) ->
     try:
         for r in range(tp):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(tp), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(tp),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{PARENT_ENV: str(os.getpid())})
             env.setdefault("OMP_NUM_THREADS", "1")   # N ranks share the cores: no nested BLAS threads
             log = open(workdir / f"rank{r}.log", "wb")
             procs.append(subprocess.Popen([sys.executable, "-m", "conformance.tp.rank", str(job_path)],

@@ -8,7 +8,8 @@ returns (and, as a child, writes to workdir/result.safetensors + result.json) wh
   is replicated after its all-reduce), plus `tp.partial.NNNN` [tp, ...]: every rank's input to each
   all-reduce, in call order, so a failure can be pinned on the rank whose partial sum is wrong;
 - decode: the greedy tokens.
-Every rank reports its pid, the bytes it read and holds, and the plan's bytes for it (`tp.ranks`).
+Every rank reports its pid, the bytes it read (as the kernel counts them: conformance.tp.measure; a rank that
+read more than its shard fails) and holds, and the plan's bytes for it (`tp.ranks`).
 """
 from __future__ import annotations
 
@@ -27,13 +28,15 @@ from conformance.cases.trace_run import GoldenFeed, Stepper, guard_kernels
 from conformance.golden.store import golden_path
 from conformance.tp.comm import CollectiveError, TorchComm
 from conformance.tp.launch import error_path, init_group
+from conformance.tp.lifetime import PARENT_ENV, die_with_parent
+from conformance.tp.measure import measured_shard
 from conformance.tp.mutants import plan_mutant
 from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel
 from k3ref.greedy import greedy_decode
 from k3ref.safetensors_io import ITEMSIZE  # the golden stores bf16 weights as exact F32: bytes by its dtype
 from k3ref.tp import TpPlan
-from k3ref.tp_weights import SliceReader, read_rank_shard, synthetic_rank_shard
+from k3ref.tp_weights import SliceReader, synthetic_rank_shard
 from k3ref.weights import CheckpointReader, read_header
 
 RANK_FIELDS = ("rank", "pid", "bytes_read", "resident", "plan_bytes", "plan_replicated", "tensors")
@@ -76,8 +79,12 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
     path = golden_path(Path(job["golden_root"]), case)
     entries = read_header(path)
-    shard, cost = read_rank_shard(plan, rank, entries, prefix="weights.")
-    row = _rank_row(rank, cost, plan, lambda name: ITEMSIZE[entries["weights." + name].dtype])
+
+    def itemsize(name: str) -> int:
+        return ITEMSIZE[entries["weights." + name].dtype]
+
+    shard, cost = measured_shard(plan, rank, entries, prefix="weights.", itemsize=itemsize)
+    row = _rank_row(rank, cost, plan, itemsize)
     backend = get_backend(job.get("backend", "numpy64"))
     dtype = np.float64 if backend.precision == "fp64" else np.float32
     comm.record = []
@@ -115,7 +122,7 @@ def run_decode(job: dict, rank: int, comm) -> dict | None:
     cfg = K3Config.from_json(job["config_json"])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
     if job.get("checkpoint"):
-        shard, cost = read_rank_shard(plan, rank, CheckpointReader(job["checkpoint"]).entries)
+        shard, cost = measured_shard(plan, rank, CheckpointReader(job["checkpoint"]).entries)
     else:
         shard, cost = synthetic_rank_shard(plan, rank, job["seed"])
     row = _rank_row(rank, cost, plan)
@@ -165,6 +172,8 @@ def read_result(workdir: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    if PARENT_ENV in os.environ:   # spawned by `--tp N`: never outlive the launcher
+        die_with_parent(int(os.environ[PARENT_ENV]))
     job = json.loads(Path(argv[0]).read_text())
     workdir = Path(job["workdir"])
     rank = int(os.environ.get("RANK", -1))

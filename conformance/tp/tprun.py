@@ -21,6 +21,7 @@ from conformance.cases.protocol import Evaluation
 from conformance.cases.traces import PROMPT, model_name
 from conformance.tp.blame import blame_ranks
 from conformance.tp.launch import TpFailure, check_dist, spawn, under_torchrun
+from conformance.tp.lifetime import TpStopped
 from conformance.tp.rank import make_plan, read_result, run_job
 from k3ref.config import K3Config
 from k3ref.cores import Cores, reference_cores
@@ -88,6 +89,8 @@ def execute(job: dict, workdir: Path | None = None, on_start=None) -> dict:
     if under_torchrun():   # this process is a rank; torchrun's agent ends the others when it fails
         try:
             return run_job(job) or {}
+        except TpStopped:
+            raise
         except Exception as e:  # noqa: BLE001 - reported as this rank's cause, exit 1
             raise TpFailure(f"rank {os.environ.get('RANK')} (pid {os.getpid()}): {type(e).__name__}: {e}") from e
     with tempfile.TemporaryDirectory(prefix="k3conf-tp-") as tmp:

@@ -21,15 +21,18 @@ from safetensors.numpy import load_file, save_file
 from conformance.cases.catalog import all_cases
 from conformance.cli import main as cli_main
 from conformance.golden.store import read_golden
+from conformance.tp import cli as tp_cli
 from conformance.tp import launch as tp_launch
+from conformance.tp import tprun
 from conformance.tp.blame import blame_ranks
 from conformance.tp.launch import TpFailure, spawn
+from conformance.tp.measure import MeasuredReader, OverRead, measured_shard
 from conformance.tp.mutants import plan_mutant
 from conformance.tp.rank import trace_case
 from conformance.tp.tprun import run_tp
 from k3ref.config import K3Config
 from k3ref.tp import LoopbackGroup, TpPlan
-from k3ref.tp_weights import read_rank_shard
+from k3ref.tp_weights import SliceReader, read_rank_shard
 from k3ref.weights import read_header
 
 pytest.importorskip("torch.distributed")
@@ -180,7 +183,6 @@ def _start_decode(workdir: Path, timeout: float = 30.0):
     while not all((workdir / f"rank{r}.ready").exists() for r in range(2)):
         assert time.monotonic() < deadline and t.is_alive(), f"the ranks never joined: {outcome}"
         time.sleep(0.1)
-    time.sleep(1.0)   # decoding now
     return pids, outcome, t
 
 
@@ -283,3 +285,70 @@ def test_blame_checks_every_partial_sum_of_every_rank(mutant, want):
     assert sum(k.startswith("tp.partial.") for k in outs) == schedule_len
     got = blame_ranks(case, read_golden(ROOT / "golden", case.name), outs, 2)
     assert len(got) == len(want) and all(line.startswith(w) for line, w in zip(got, want, strict=True)), got
+
+
+# ----- bytes read are measured by the kernel, not reported by the reader -----
+
+class _WholeTensorReader(SliceReader):
+    """A dishonest reader: copies every tensor whole out of the mapping, then reports only the slice."""
+
+    def view(self, name, h):
+        return np.array(super().view(name, h))
+
+
+class _WholeTensorPreader(MeasuredReader):
+    """Another: reads every tensor whole with read calls, and takes those bytes off its own count."""
+
+    def view(self, name, h):
+        v = super().view(name, h)
+        if not name.endswith("A_log"):
+            self.copy(v)
+            self.bytes_read -= v.nbytes
+        return v
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_honest_rank_is_measured_reading_exactly_its_shard(tp):
+    entries = read_header(ROOT / "golden" / "trace" / "layerwise-P7-D5.safetensors")
+    plan = TpPlan(K3Config.preset("tiny"), tp)
+    for rank in range(tp):
+        shard, cost = measured_shard(plan, rank, entries, prefix="weights.", itemsize=_golden_itemsize)
+        want, _ = read_rank_shard(plan, rank, entries, prefix="weights.")
+        assert sorted(shard) == sorted(want)
+        assert all(np.array_equal(shard[k].view(np.uint8), want[k].view(np.uint8)) for k in want)
+        assert cost.read == plan.rank_bytes(rank, _golden_itemsize)["total"]
+
+
+@pytest.mark.parametrize("reader, counted", [
+    pytest.param(_WholeTensorReader, "B of mapped pages", id="through-the-mapping"),
+    pytest.param(_WholeTensorPreader, "B by read calls", id="through-read-calls"),
+])
+def test_a_rank_reading_whole_tensors_fails_whatever_its_reader_reports(reader, counted):
+    entries = read_header(ROOT / "golden" / "trace" / "layerwise-P7-D5.safetensors")
+    plan = TpPlan(K3Config.preset("tiny"), 2)
+    shard_bytes = plan.rank_bytes(1, _golden_itemsize)["total"]
+    with pytest.raises(OverRead, match=rf"rank 1: read [\d,]+ B of the weight files .*more than the "
+                                       rf"{shard_bytes:,} B of its shard") as e:
+        measured_shard(plan, 1, entries, prefix="weights.", itemsize=_golden_itemsize, reader=reader())
+    assert counted in str(e.value)
+
+
+# ----- run --tp: the report folder first, exit 1 on a failed gate -----
+
+def test_run_tp_checks_the_report_folder_before_any_rank_starts(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tprun, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert cli_main(["run", "--tp", "2", "--report", str(blocker / "sub")]) == 2
+    assert f"--report {blocker / 'sub'}: cannot write reports there" in capsys.readouterr().err
+
+
+def test_run_tp_exits_1_on_a_failed_gate_even_when_the_reports_cannot_be_written(monkeypatch, tmp_path, capsys):
+    def disk_full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tp_cli.rep, "write_reports", disk_full)
+    rc = cli_main(["run", "--tp", "2", "--cases", "trace/layerwise*", "--tp-mutant", "q_proj-neighbour-heads",
+                   "--report", str(tmp_path)])
+    assert rc == 1
+    assert f"cannot write the reports to {tmp_path} (No space left on device)" in capsys.readouterr().err
