@@ -13,7 +13,7 @@ import numpy as np
 
 from conformance.cases.inputs import cast, fp32_kept
 from conformance.cases.trace_names import CACHE_SLOT, CACHE_WHAT, RECORD, TraceName, final_key, layer_key
-from conformance.judge.gates import near_tie_route
+from conformance.judge.gates import margin_budgets, near_tie_route
 from k3ref.cache import MlaKv
 from k3ref.cores import CORE_NAMES, UnsupportedShape, reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, final_logits, forward_one_layer
@@ -23,6 +23,28 @@ from k3ref.ops import sigmoid
 
 PROMPT = (5, 17, 3, 42, 8, 1, 60)
 DECODE_STEPS = 5
+# The precisions at which a near-tie may be teacher-forced. At fp64 and fp32 every router choice and greedy token
+# must match the golden (float32 moves a margin by ~1e-6, TIE_MARGIN keeps them 1e-4 apart): a budget there would
+# hide a real flip, so it is refused however it got into the budget table.
+FORCING_PRECISIONS = frozenset({"bf16"})
+
+
+def forcing_budgets(precision: str) -> dict[str, float]:
+    """choice -> near-tie budget at `precision` (gates.margin_budgets); ValueError when the budget table gives one
+    to a precision that may not force."""
+    budgets = margin_budgets(precision)
+    if precision not in FORCING_PRECISIONS and any(b > 0 for b in budgets.values()):
+        raise ValueError(f"teacher forcing at {precision}: expected no near-tie budget (only "
+                         f"{', '.join(sorted(FORCING_PRECISIONS))} may force), found {budgets} in "
+                         "conformance.judge.gate_table.MARGIN_BUDGETS")
+    return budgets
+
+
+def check_forced(precision: str, forced: dict[str, int]) -> None:
+    """RuntimeError when a trace at a precision that may not force was teacher-forced anyway (counts by choice)."""
+    if precision not in FORCING_PRECISIONS and any(forced.values()):
+        allowed = ", ".join(sorted(FORCING_PRECISIONS))
+        raise RuntimeError(f"teacher forcing at {precision}: expected none (only {allowed} may force), found {forced}")
 
 
 def compute_dtype(precision: str):

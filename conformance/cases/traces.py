@@ -48,11 +48,12 @@ from conformance.cases.trace_run import (
     RouterTap,
     Stepper,
     argmax_margin,
+    check_forced,
     compute_dtype,
+    forcing_budgets,
     guard_kernels,
 )
 from conformance.golden.errors import GoldenError
-from conformance.judge import gates
 from k3ref.config import K3Config
 from k3ref.cores import CORE_NAMES, reference_cores
 from k3ref.cpu_forward import K3CpuModel
@@ -137,7 +138,7 @@ class TraceKind(KindBase):
         golden.require(["inputs.tokens"])
         cfg = K3Config.preset(golden.kwargs.get("config", model_name(case)))
         prompt_len = golden.kwargs.get("prompt", len(PROMPT))
-        budgets = gates.margin_budgets(backend.precision)
+        budgets = forcing_budgets(backend.precision)
         if isinstance(backend, WholeModelBackend):   # it runs the trace by its own wiring
             # it routes its near-ties itself (given the budget) and counts them in its RunInfo
             run = backend.evaluate_trace(case, golden, cfg.to_json(), prompt_len,
@@ -145,8 +146,11 @@ class TraceKind(KindBase):
             info = RunInfo(teacher_forced={"router": run.info.teacher_forced.get("router", 0), "argmax": 0})
             outputs = dict(run.outputs)
             _judge_tokens(golden, outputs, budgets.get("argmax", 0.0), info)
-            return Evaluation(outputs, _forced_notes(backend.precision, info.teacher_forced), info)
-        return self._evaluate_cores(golden, backend, cfg, prompt_len, budgets)
+            evaluation = Evaluation(outputs, _forced_notes(backend.precision, info.teacher_forced), info)
+        else:
+            evaluation = self._evaluate_cores(golden, backend, cfg, prompt_len, budgets)
+        check_forced(backend.precision, evaluation.info.teacher_forced)
+        return evaluation
 
     @staticmethod
     def _evaluate_cores(golden, backend, cfg: K3Config, prompt_len: int, budgets: dict[str, float]) -> Evaluation:
@@ -183,9 +187,10 @@ class TraceKind(KindBase):
         return f"{mixer}_prefill" if name.step == 0 else f"{mixer}_decode"
 
     def gate_tensor(self, case: Case, tensor: str) -> str:
-        """'<model>/<tensor>': gate rows '<model>/step*' (one model config's measurements) win over the shared
-        '*/step*' rows (gate_table.TRACES_BY_MODEL)."""
-        return f"{model_name(case)}/{tensor}"
+        """'<model>/<mode>/<tensor>': each cap gates the trace mode it was measured on, and gate rows
+        '<model>/<mode>/step*' (one model config's measurements) win over the shared '*/<mode>/step*' rows
+        (gate_table.TRACES_BY_MODEL)."""
+        return f"{model_name(case)}/{case.params['mode']}/{tensor}"
 
     def is_gated(self, case: Case, tensor: str) -> bool:
         """The free run gates logits and tokens only; its intermediates are reported."""

@@ -44,7 +44,9 @@ def run(args) -> int:
         print("gates (block, tensor, precision): cap, k, floor -- reason:")
         for (block, tensor, prec), g in GATES.items():
             k = "-" if g.k is None else f"{g.k:g}"
-            print(f"  ({block}, {tensor}, {prec}): cap {g.cap:g}, k {k}, floor {g.floor:g} -- {g.reason}")
+            elem = "" if g.elem_k is None else f", worst element <= {g.elem_k:g} x baseline's + {g.elem_floor:g}"
+            print(f"  ({block}, {tensor}, {prec}): cap {g.cap:g}, k {k}, floor {g.floor:g}{elem} -- {g.reason}"
+                  + (f"; per-element: {g.elem_why}" if g.elem_k is not None else ""))
         print("baseline gates (the baseline of a precision is judged by these absolute caps, never by itself;"
               f" {', '.join(f'{p}: {b}' for p, b in BASELINE.items())}):")
         for (block, tensor, prec), g in BASELINE_GATES.items():

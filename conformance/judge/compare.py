@@ -2,6 +2,8 @@
 
 `compare(out, ref, atol, rtol)` reports, never raises on a mismatch:
 - max abs error and relative RMS error ||out - ref|| / ||ref|| over the positions where both are finite;
+- the worst element error: max |out - ref| over the RMS of the reference (same positions), so that it is
+  scale-free like the relative RMS error and a single wrong element shows at full size instead of averaged away;
 - the worst index with both values;
 - NaN / +Inf / -Inf position mismatches (FlashMLA's rule: each must sit at the same positions);
 - the share of elements within tolerance, |out - ref| <= atol + rtol |ref| ("N of M passed");
@@ -29,6 +31,7 @@ class Comparison:
     dtype: str
     max_abs: float = 0.0
     rel_rms: float = 0.0
+    worst_err: float = 0.0              # max abs error / RMS of the reference: the per-element rule's measure
     worst_index: tuple | None = None
     worst_out: float | None = None
     worst_ref: float | None = None
@@ -135,15 +138,18 @@ def _compare_float(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float, d
     with np.errstate(invalid="ignore"):   # inf - inf at matching positions; masked out below
         diff = np.where(both, np.abs(out - ref), 0.0)
     within = (both & (diff <= atol + rtol * np.abs(np.where(both, ref, 0.0)))) | same_nonfinite
-    den = max(float(np.linalg.norm(np.where(both, ref, 0.0))), TINY)
+    ref_norm = float(np.linalg.norm(np.where(both, ref, 0.0)))
+    den = max(ref_norm, TINY)
     rel = float(np.linalg.norm(diff) / den)
+    ref_rms = max(ref_norm / np.sqrt(max(int(both.sum()), 1)), TINY)
+    max_abs = float(diff.max(initial=0.0))
     worst = worst_out = worst_ref = None
     if ref.size:
         # the worst element: a misplaced non-finite value first, else the largest finite difference
         flat = int(np.ravel_multi_index(first, ref.shape)) if first is not None else int(np.argmax(diff))
         worst = tuple(int(i) for i in np.unravel_index(flat, ref.shape))
         worst_out, worst_ref = float(out[worst]), float(ref[worst])
-    return Comparison(ref.shape, dtype, max_abs=float(diff.max(initial=0.0)), rel_rms=rel, worst_index=worst,
+    return Comparison(ref.shape, dtype, max_abs=max_abs, rel_rms=rel, worst_err=max_abs / ref_rms, worst_index=worst,
                       worst_out=worst_out, worst_ref=worst_ref, n_within=int(within.sum()), n_total=int(ref.size),
                       nonfinite_mismatch=mismatch, first_nonfinite_mismatch=first)
 

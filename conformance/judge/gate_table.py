@@ -2,15 +2,51 @@
 derived from the baselines' measured errors (conformance.judge.measured), the near-tie budgets and the speed
 targets. conformance.judge.gates looks rows up in these tables; nothing else adds to them.
 
+Every table is read-only once built (ReadOnlyTable): a backend is judged by these rows, so code loaded with a
+backend cannot edit them; an attempt raises TypeError naming the table.
+
 Look-up keys are (block, tensor, precision); a tensor may be a glob pattern (the model traces' rows are
 '<model>/step*', looked up by '<model>/<tensor>', with '*/step*' the rows every model config starts from).
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn
+
 from conformance.judge import measured
 from conformance.judge.gate_row import BASELINE_FACTOR, Gate, baseline_row
 
 Key = tuple[str, str, str]
+
+
+class ReadOnlyTable(Mapping):
+    """A gate table after it is built: it reads like a dict, and any write raises TypeError naming the table."""
+
+    def __init__(self, name: str, rows: Mapping):
+        self._name, self._rows = name, dict(rows)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._rows[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyTable({self._name}, {len(self._rows)} rows)"
+
+    def __setitem__(self, key: Any, value: Any) -> NoReturn:
+        raise self._refused(f"set {key!r}")
+
+    def __delitem__(self, key: Any) -> NoReturn:
+        raise self._refused(f"delete {key!r}")
+
+    def _refused(self, what: str) -> TypeError:
+        return TypeError(f"the gate table {self._name} is read-only once built: cannot {what}; its rows are data "
+                         "in conformance/judge/gate_table.py (a backend is never judged by rows it wrote)")
 
 _FP64 = "numpy64 = the generator's own float64 code, exact by construction; room for another CPU's BLAS rounding"
 _FP32 = "fp32 inputs and math against the fp64 golden; k=4 leaves room for another summation order than numpy32's"
@@ -64,18 +100,21 @@ _TRACE_BF16_WHY = ("bf16 host graph with router and argmax near-ties teacher-for
 _TOKEN_WHY = ("greedy token ids compare as exact integers (these numbers are unused); a flip fails unless the "
               "reference's argmax margin is below the precision's budget (then the step is teacher-forced and counted)")
 
-# model config -> (its traces' measurements: block -> ((numpy32 worst, tensor), (torch-bf16 worst, tensor)),
-# which traces were measured); '*': every config without its own rows
-TRACES_BY_MODEL = {"*": (measured.TINY_TRACES, measured.TINY_TRACES_WHERE)}
+# model config -> trace mode -> (that mode's measurements: block -> ((numpy32 worst, tensor), (torch-bf16 worst,
+# tensor)), which traces were measured); '*': every config without its own rows. A trace tensor looks its rows up
+# as '<model>/<mode>/<tensor>' (conformance.cases.traces.TraceKind.gate_tensor), so each cap gates the mode
+# it was measured on.
+TRACES_BY_MODEL = {"*": {mode: (measured.trace_blocks(mode), measured.TINY_TRACES_WHERE)
+                         for mode in measured.TRACE_MODES}}
 
 
-def trace_rows(model: str, blocks: dict, where: str) -> tuple[dict[Key, Gate], dict[Key, Gate]]:
-    """(gate rows, baseline rows) for the trace tensors of model config `model`.
+def trace_rows(model: str, blocks: dict, where: str, mode: str = "*") -> tuple[dict[Key, Gate], dict[Key, Gate]]:
+    """(gate rows, baseline rows) for the trace tensors of model config `model` in trace mode `mode` ('*': both).
 
     blocks: block -> ((numpy32 worst rel RMS, tensor), (torch-bf16 worst rel RMS, tensor)) over the gated
-    tensors of that config's traces; where: which traces were measured. fp32: k=4 over numpy32, cap 1e-4;
+    tensors of those traces; where: which traces were measured. fp32: k=4 over numpy32, cap 1e-4;
     bf16: k=2.5 over torch-bf16, cap 3x its worst; the baselines themselves: 3x their worst; greedy tokens: exact."""
-    pattern = f"{model}/step*"
+    pattern = f"{model}/{mode}/step*"
     rows: dict[Key, Gate] = {}
     baseline_rows: dict[Key, Gate] = {}
     for block, ((fp32, at32), (bf16, at16)) in blocks.items():
@@ -99,25 +138,52 @@ def _block_baseline_rows() -> dict[Key, Gate]:
     return rows
 
 
+# The per-element rule of every baseline-relative row: precision -> (multiple of the baseline's worst element
+# error, floor, reason). A whole-tensor rule alone averages one wrong element away (FlashMLA and triton_kernels
+# check both).
+_FP32_RATIO, _FP32_AT = measured.WORST_ELEMENT_RATIO["fp32"]
+_BF16_RATIO, _BF16_AT = measured.WORST_ELEMENT_RATIO["bf16"]
+ELEMENT_RULES: dict[str, tuple[float, float, str]] = {
+    "fp32": (8.0, 1e-6, f"a built-in fp32 backend's worst element errs at most {_FP32_RATIO:g}x numpy32's ({_FP32_AT});"
+                        " 8x leaves room for another summation order, the floor as the rel RMS row's"),
+    "bf16": (3.0, 0.0, "every bf16 backend gets the same bf16-rounded inputs as torch-bf16, so its worst element "
+                       "is the same rounding: 3x, about the rel RMS row's k=2.5, no floor like that row; a "
+                       f"one-element slip errs {_BF16_RATIO:g}x ({_BF16_AT})"),
+}
+
+
+def _with_element_rule(key: Key, gate: Gate) -> Gate:
+    """`gate` with its precision's per-element rule, when it is baseline-relative and has none of its own."""
+    precision = key[2]
+    if gate.k is None or gate.elem_k is not None or precision not in ELEMENT_RULES:
+        return gate
+    k, floor, why = ELEMENT_RULES[precision]
+    return dataclasses.replace(gate, elem_k=k, elem_floor=floor, elem_why=why)
+
+
 def _tables() -> tuple[dict[Key, Gate], dict[Key, Gate]]:
-    """GATES and BASELINE_GATES: the rows by hand, then the block cases' and every model config's trace rows."""
+    """GATES and BASELINE_GATES: the rows by hand, then the block cases' and every model config's trace rows;
+    every baseline-relative row carries its precision's per-element rule."""
     gates, baselines = dict(_BY_HAND), _block_baseline_rows()
-    for model, (blocks, where) in TRACES_BY_MODEL.items():
-        rows, baseline_rows = trace_rows(model, blocks, where)
-        gates.update(rows)
-        baselines.update(baseline_rows)
-    return gates, baselines
+    for model, modes in TRACES_BY_MODEL.items():
+        for mode, (blocks, where) in modes.items():
+            rows, baseline_rows = trace_rows(model, blocks, where, mode)
+            gates.update(rows)
+            baselines.update(baseline_rows)
+    return {key: _with_element_rule(key, gate) for key, gate in gates.items()}, baselines
 
 
 # The baselines gated against themselves would always pass, so they are judged by BASELINE_GATES: absolute rows,
 # each about 3x the worst error the baseline measured on that (block, tensor), the measurement in its reason.
-GATES, BASELINE_GATES = _tables()
+_GATES, _BASELINE_GATES = _tables()
+GATES: Mapping[Key, Gate] = ReadOnlyTable("GATES", _GATES)
+BASELINE_GATES: Mapping[Key, Gate] = ReadOnlyTable("BASELINE_GATES", _BASELINE_GATES)
 
 # Discrete choices inside the model traces (conformance/cases/traces.py): where the float64 golden's margin is below
 # the budget of the backend's precision, the backend is given the golden's choice (teacher-forced, counted).
 # Absent (fp64, fp32): no forcing, every choice must match. Router margins are in selection-score units
 # (sigmoid + bias), argmax margins in logits. precision -> choice -> (budget, reason).
-MARGIN_BUDGETS: dict[str, dict[str, tuple[float, str]]] = {
+_MARGIN_BUDGETS: dict[str, dict[str, tuple[float, str]]] = {
     "bf16": {
         "router": (1.5e-2, "torch-bf16 moves the selection scores by at most 4.5e-3 on the layerwise tiny trace; "
                            "3x that (the golden's smallest router margin there is 2.1e-4)"),
@@ -126,6 +192,9 @@ MARGIN_BUDGETS: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 
+MARGIN_BUDGETS: Mapping[str, Mapping[str, tuple[float, str]]] = ReadOnlyTable(
+    "MARGIN_BUDGETS", {p: ReadOnlyTable(f"MARGIN_BUDGETS[{p!r}]", budgets) for p, budgets in _MARGIN_BUDGETS.items()})
+
 
 # (block, backend) -> (target bw_ratio or None, target time_ratio or None, reason). Absent = report only.
-SPEED_TARGETS: dict[tuple[str, str], tuple[float | None, float | None, str]] = {}
+SPEED_TARGETS: Mapping[tuple[str, str], tuple[float | None, float | None, str]] = ReadOnlyTable("SPEED_TARGETS", {})

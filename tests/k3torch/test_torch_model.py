@@ -386,6 +386,13 @@ def _bf16_router_budget() -> float:
     return gates.MARGIN_BUDGETS["bf16"]["router"][0]
 
 
+def _set_bf16_router_budget(monkeypatch, budget: float, why: str) -> None:
+    """The verdicts read a copy of the (read-only) budget table with the bf16 router budget replaced."""
+    table = {p: dict(budgets) for p, budgets in gates.MARGIN_BUDGETS.items()}
+    table["bf16"]["router"] = (budget, why)
+    monkeypatch.setattr(gates, "MARGIN_BUDGETS", table)
+
+
 def _near_route_ties(case: str, budget: float) -> int:
     """Tokens whose golden router margin is below `budget`, over every MoE layer and step of `case`."""
     inter = read_golden(ROOT / "golden", case).group("inter")
@@ -413,7 +420,7 @@ def test_bf16_model_passes_the_traces_with_router_near_ties_teacher_forced():
 def test_without_router_forcing_the_bf16_model_flips_k3geoms_first_token(monkeypatch):
     """The hook is what makes k3geom's free trace pass: a layer-1 route at margin 4.6e-3 flips at bf16, and
     the prompt's greedy token with it."""
-    monkeypatch.setitem(gates.MARGIN_BUDGETS["bf16"], "router", (0.0, "no router forcing"))
+    _set_bf16_router_budget(monkeypatch, 0.0, "no router forcing")
     [r] = _run_bf16(["trace/k3geom/free-P3-D1"]).results
     assert r.status == "fail" and r.teacher_forced["router"] == 0
     assert [f["step"] for f in r.flips] == [0], r.flips
@@ -431,7 +438,7 @@ def test_bf16_model_fails_tiny_free_only_at_a_route_just_above_the_budget(monkey
     margin = float(read_golden(ROOT / "golden", case).group("inter")["route.step1.layer04.margin"][0])
     budget = _bf16_router_budget()
     assert budget < margin
-    monkeypatch.setitem(gates.MARGIN_BUDGETS["bf16"], "router", (margin * 1.01, "that route forced too"))
+    _set_bf16_router_budget(monkeypatch, margin * 1.01, "that route forced too")
     [r] = _run_bf16([case]).results
     assert r.status == "pass", r.first_failing
     assert r.teacher_forced["router"] == _near_route_ties(case, budget) + 1
