@@ -2,7 +2,10 @@
 loads this plugin only when that option is given; see its docstring for the options).
 
 The run is prepared by conformance.session, as for `k3conf run`: the backend checked (an external one's cores
-tried on tiny inputs first), the cases selected, the goldens found.
+tried on tiny inputs first), the cases selected, the goldens found, K3_STRICT read by the same rule. The verdicts
+are the CLI's: an item passes, fails or skips as its (case, backend) cell does, each failing item says why in its
+own line, and the session fails where `k3conf run` would exit 1 although no item failed (the backend was judged
+on nothing: every item skip or n/a).
 """
 from __future__ import annotations
 
@@ -17,7 +20,15 @@ from conformance.cases.catalog import select
 from conformance.report import print_terminal
 from conformance.results import CaseResult, RunReport
 from conformance.runner import case_runner
-from conformance.session import SessionError, cases_of, checked_backend, golden_root
+from conformance.session import (
+    SessionError,
+    backend_row,
+    cases_of,
+    checked_backend,
+    golden_root,
+    strict,
+    strict_missing,
+)
 
 
 def pytest_configure(config) -> None:
@@ -26,7 +37,7 @@ def pytest_configure(config) -> None:
 
 
 class CaseFailed(AssertionError):
-    """A case that failed its gates (or errored) on the backend; the message is the runner's first-failure line."""
+    """A case that failed its gates (or errored) on the backend; the message is its result's failure line."""
 
 
 class ConformanceSession:
@@ -34,10 +45,16 @@ class ConformanceSession:
 
     def __init__(self, config, spec: str):
         try:
+            strict()
+        except SessionError as e:
+            raise pytest.UsageError(str(e)) from None
+        try:
             check = checked_backend(spec)
         except SessionError as e:
             raise pytest.UsageError(f"--k3conf-backend {spec}: {e}") from None
         self.backend, self.ok, self.why = check.backend, check.available, check.reason
+        self.row = backend_row(spec, check.backend, check, must_judge=True)   # the one backend asked for
+        self.strict_missing = strict_missing([self.row])
         cfg = config.getoption("k3conf_config")
         patterns = config.getoption("k3conf_cases")
         self.cases = select(cases_of(cfg), patterns)
@@ -49,21 +66,27 @@ class ConformanceSession:
             root = golden_root(Path(golden) if golden else None, cfg)
         except SessionError as e:
             raise pytest.UsageError(str(e)) from None
-        self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"))
+        self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"), specs={check.backend.name: spec})
         self.results: list[CaseResult] = []   # every item run, for the summary table
         config.addinivalue_line("markers", "k3conf: a K3 conformance case (k3-conformance)")
         for block in dict.fromkeys(c.block for c in self.cases):
             config.addinivalue_line("markers", f"{block}: K3 conformance cases of the block {block}")
 
     def report(self, results) -> RunReport:
-        row = {"name": self.backend.name, "precision": self.backend.precision, "available": self.ok, "reason": self.why}
-        return RunReport(config=self.runner.config, backends=[row], results=list(results),
-                         wall_seconds=sum(r.seconds for r in results), copy_bandwidth={})
+        return RunReport(config=self.runner.config, backends=[self.row], results=list(results),
+                         wall_seconds=sum(r.seconds for r in results), copy_bandwidth={},
+                         strict_missing=self.strict_missing)
 
-    def run(self, case):
+    def run(self, case) -> CaseResult:
         res = self.runner.run_one(case, self.backend)
         self.results.append(res)
-        return res, self.report([res]).first_failure_line()
+        return res
+
+    def pytest_sessionfinish(self, session) -> None:
+        """A session in which no item failed still fails where `k3conf run` exits 1: the backend was judged on
+        nothing (every item skip or n/a). The reason is the first line of the k3conf summary section."""
+        if self.results and self.report(self.results).exit_code and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints."""
@@ -97,15 +120,17 @@ class CaseItem(pytest.Item):
         self.case, self.conformance = case, conformance
 
     def runtest(self) -> None:
+        if self.conformance.strict_missing:     # K3_STRICT: a backend that cannot run here fails, as in the CLI
+            raise CaseFailed(f"K3_STRICT=1 and {self.conformance.strict_missing[0]}")
         if not self.conformance.ok:
             pytest.skip(f"backend {self.conformance.backend.name} unavailable: {self.conformance.why}")
-        res, line = self.conformance.run(self.case)
+        res = self.conformance.run(self.case)
         if res.status == "skip":
             pytest.skip(res.error)
         if res.status == "n/a":        # only k3ref's reference core would run: neither a pass nor a fail
             pytest.skip(f"n/a (reference core): {res.error}")
         if res.status != "pass":
-            raise CaseFailed(line)
+            raise CaseFailed(res.failure_line())
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, CaseFailed):

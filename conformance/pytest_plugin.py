@@ -8,9 +8,11 @@ environment where k3-conformance is installed; without `--k3conf-backend` it onl
 import of the package's heavy modules, no items, no markers). With it, pytest loads the plugin
 conformance.pytest_cases, which holds the rest. With it, each case becomes one item whose
 id is the case name (`kda_decode/B2-H3-K16`), marked `k3conf` and with its block (`-m kda_decode`); a
-failing item shows the runner's first-failure line, and the session ends with the run's table. Cases whose
-cores the backend does not supply skip as "n/a (reference core)"; an unavailable backend skips every item
-with its reason.
+failing item shows its own failure line (case, backend, tensor, why), and the session ends with the run's
+table. Cases whose cores the backend does not supply skip as "n/a (reference core)"; an unavailable backend
+skips every item with its reason (fails it under K3_STRICT, read as `k3conf run` reads it). The verdicts and the
+outcome are those of `k3conf run --backend` on the same cases: a backend judged on nothing (every item skip or
+n/a) fails the session.
 """
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -59,7 +62,7 @@ def _grid(report: RunReport) -> tuple[list[str], list[str], dict]:
 def print_terminal(report: RunReport, console: Console | None = None) -> None:
     """The first failure, a case x backend table (worst relative RMS error per cell), skipped backends."""
     console = console or Console(width=None if _isatty() else 160)
-    style = "bold red" if report.failures else "bold green"
+    style = "bold red" if report.exit_code else "bold green"
     console.print(report.first_failure_line(), style=style, highlight=False, markup=False, soft_wrap=True)
     cases, backends, cells = _grid(report)
     table = Table(title=f"k3conf run ({report.config}): worst relative RMS error per case and backend",
@@ -86,6 +89,8 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         console.print(line, style="red", highlight=False, markup=False)
     for line in report.strict_missing:
         console.print(f"K3_STRICT=1: {line}", style="red", highlight=False, markup=False)
+    for line in report.nothing_judged:
+        console.print(line, style="red", highlight=False, markup=False)
     fails = report.failures
     for r in fails[:20]:
         console.print(f"  {r.case} on {r.backend}: {_why(r)}", style="red", highlight=False, markup=False)
@@ -147,15 +152,24 @@ def _verdict(t) -> str:
 
 
 def write_reports(report: RunReport, out_dir: Path) -> list[Path]:
-    """report.json, report.md and report.html under out_dir; returns the paths."""
+    """report.json, report.md and report.html under out_dir, all three or none; returns the paths. They are
+    written into a temporary folder inside `out_dir` first and renamed into place only when all three exist, so
+    a failure (disk full, say) never leaves a new JSON next to a stale HTML."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html"]
-    paths[0].write_text(json.dumps(_strict_json(report.to_dict()), indent=1, sort_keys=True, allow_nan=False,
-                                   default=_json_default) + "\n")
-    paths[1].write_text(markdown(report))
-    paths[2].write_text(html_report(report))
-    return paths
+    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
+    try:
+        staged = [tmp / "report.json", tmp / "report.md", tmp / "report.html"]
+        staged[0].write_text(json.dumps(_strict_json(report.to_dict()), indent=1, sort_keys=True, allow_nan=False,
+                                        default=_json_default) + "\n")
+        staged[1].write_text(markdown(report))
+        staged[2].write_text(html_report(report))
+        final = [out_dir / p.name for p in staged]
+        for src, dst in zip(staged, final, strict=True):
+            os.replace(src, dst)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _strict_json(o):
@@ -206,6 +220,7 @@ def markdown(report: RunReport) -> str:
               f"{cnt['skip']} skip** of {cnt['total']}"
               + (f" ({cnt['error']} of the failures are errors)" if cnt["error"] else "") + ".", ""]
     lines += [f"- K3_STRICT=1: {m}" for m in report.strict_missing]
+    lines += [f"- {m}" for m in report.nothing_judged]
     lines += [f"- skipped `{b['name']}`: {b['reason']}" for b in report.backends if not b["available"]]
     lines += [f"- {n}" for n in baseline_notes(report)]
     lines += [f"- {n}" for n in flip_lines(report)]
@@ -255,7 +270,7 @@ td.skip{color:#8a6d00} td.na{color:#2a6f8a}
 def html_report(report: RunReport) -> str:
     """Self-contained HTML (inline CSS, inline SVG per-layer plots; no scripts, no external links)."""
     e = html.escape
-    cls = "bad" if report.failures else "good"
+    cls = "bad" if report.exit_code else "good"
     out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>k3conf report</title>",
            f"<style>{_CSS}</style></head><body>", f"<h1>k3conf run ({e(report.config)})</h1>",
            f"<p class='first {cls}'>{e(report.first_failure_line())}</p>"]
@@ -264,6 +279,7 @@ def html_report(report: RunReport) -> str:
                f"{cnt['skip']} skip</b> of {cnt['total']}"
                + (f" ({cnt['error']} of the failures are errors)" if cnt["error"] else "") + ".</p>")
     out += [f"<p class='first bad'>K3_STRICT=1: {e(m)}</p>" for m in report.strict_missing]
+    out += [f"<p class='first bad'>{e(m)}</p>" for m in report.nothing_judged]
     for row_of in report.backends:
         if not row_of["available"]:
             out.append(f"<p class='note'>skipped {e(row_of['name'])}: {e(row_of['reason'])}</p>")

@@ -85,6 +85,22 @@ class CaseResult:
             return None
         return max(gated, key=lambda t: (not t.passed, t.comparison.rel_rms / max(t.verdict.bound, 1e-300)))
 
+    def failure_line(self) -> str:
+        """'<case> on <backend>: <tensor> (block <block>): <why>' for a failed or crashed result; '' otherwise."""
+        if self.status == "error":
+            return f"{self.case} on {self.backend} (block {self.block}): error: {self.error}"
+        if self.status != "fail":
+            return ""
+        t = self.first_failing
+        if t is None:
+            sp = self.speed
+            assert sp is not None, "a failed result without a failing tensor failed its speed target"
+            return (f"{self.case} on {self.backend} (block {self.block}): speed: bw ratio {sp.bw_ratio} "
+                    f"(target {sp.target_bw_ratio}), time ratio {sp.time_ratio} "
+                    f"(target {sp.target_time_ratio}); {sp.note}")
+        return (f"{self.case} on {self.backend}: outputs.{t.tensor} (block {t.block}): "
+                + (f"{t.note}; " if t.note else "") + f"{t.comparison.summary()} [{t.verdict.why}]")
+
     def to_dict(self) -> dict:
         return {
             "case": self.case, "block": self.block, "backend": self.backend, "precision": self.precision,
@@ -114,6 +130,26 @@ class RunReport:
     def first_failure(self) -> CaseResult | None:
         return self.failures[0] if self.failures else None
 
+    @property
+    def nothing_judged(self) -> list[str]:
+        """One line per backend the run had to judge (its row's `must_judge`: a requested or an external one) that
+        could run but earned neither a pass nor a fail: it supplies no kernel core, or every result of it is
+        skip or n/a. Such a run proves nothing about that backend, so it fails."""
+        lines = []
+        for row in self.backends:
+            if not (row.get("must_judge") and row["available"]):
+                continue
+            name = row.get("backend", row["name"])
+            mine = [r.status for r in self.results if r.backend == name]
+            if not mine or any(s not in ("skip", "n/a") for s in mine):
+                continue
+            why = (f"every one of its {len(mine)} result(s) is skip or n/a ({mine.count('skip')} skip, "
+                   f"{mine.count('n/a')} n/a)")
+            if not row.get("kernel_cores", True):
+                why = "it supplies no kernel core (kernel_cores() is empty), so only k3ref's cores would run"
+            lines.append(f"backend {name} was judged on nothing: {why}")
+        return lines
+
     def counts(self) -> dict[str, int]:
         """(case, backend) results by verdict: pass, fail (errors included), n/a, skip; and errors, total."""
         st = [r.status for r in self.results]
@@ -125,6 +161,8 @@ class RunReport:
         if self.strict_missing:
             return f"FIRST FAILURE: K3_STRICT=1 and {self.strict_missing[0]}"
         r = self.first_failure
+        if r is None and self.nothing_judged:
+            return f"FIRST FAILURE: {self.nothing_judged[0]}"
         if r is None:
             c = self.counts()
             parts = [f"{c['n/a']} n/a: reference core only" if c["n/a"] else "",
@@ -132,26 +170,18 @@ class RunReport:
             extra = "; ".join(e for e in parts if e)
             return (f"ALL PASS: {c['pass']} (case, backend) result(s) within their gates"
                     + (f" ({extra})" if extra else ""))
-        if r.status == "error":
-            return f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): error: {r.error}"
-        t = r.first_failing
-        if t is None:
-            sp = r.speed
-            assert sp is not None, "a failed result without a failing tensor failed its speed target"
-            return (f"FIRST FAILURE: {r.case} on {r.backend} (block {r.block}): speed: bw ratio {sp.bw_ratio} "
-                    f"(target {sp.target_bw_ratio}), time ratio {sp.time_ratio} "
-                    f"(target {sp.target_time_ratio}); {sp.note}")
-        return (f"FIRST FAILURE: {r.case} on {r.backend}: outputs.{t.tensor} (block {t.block}): "
-                + (f"{t.note}; " if t.note else "") + f"{t.comparison.summary()} [{t.verdict.why}]")
+        return f"FIRST FAILURE: {r.failure_line()}"
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failures or self.strict_missing else 0
+        """1 when a gate failed, a result is an error, a backend K3_STRICT needs cannot run, or a backend the run
+        had to judge was judged on nothing (nothing_judged); else 0."""
+        return 1 if self.failures or self.strict_missing or self.nothing_judged else 0
 
     def to_dict(self) -> dict:
         return {
             "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
-            "summary": self.counts(), "strict_missing": self.strict_missing,
+            "summary": self.counts(), "strict_missing": self.strict_missing, "nothing_judged": self.nothing_judged,
             "wall_seconds": self.wall_seconds, "backends": self.backends,
             "copy_bandwidth": self.copy_bandwidth, "results": [r.to_dict() for r in self.results],
         }

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.support.strict import require
+from conformance.session import SessionError
+from tests.support.strict import require, strict
 
 settings.register_profile(
     "ci",
@@ -24,6 +25,15 @@ settings.register_profile("hostile-inputs", deadline=None, derandomize=True, max
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REQUIREMENT_MARKERS = ("torch", "nvcc", "gxx")
+
+
+def pytest_configure(config):
+    """A K3_STRICT value that is neither strict nor not (conformance.session.strict) stops the run before any test,
+    as it stops `k3conf run`: guessing would either skip what CI must run or fail what it need not."""
+    try:
+        strict()
+    except SessionError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -28,16 +28,15 @@ import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from conformance.backends.protocol import REQUIRED_MEMBERS, BackendBase, adapt, is_backend
+from conformance.backends.protocol import REQUIRED_MEMBERS, BackendBase, BackendError, adapt, is_backend
 from conformance.judge.speed import median_seconds, numpy_copy_bandwidth
 from k3ref.cores import CORE_NAMES, Cores, reference_cores
 
+__all__ = ["ENTRY_POINT_GROUP", "PRECISIONS", "Backend", "BackendError", "Unloadable", "as_backend",
+           "entry_points", "from_entry_point", "is_spec", "load"]
+
 PRECISIONS = ("fp64", "fp32", "bf16")
 ENTRY_POINT_GROUP = "k3conf.backends"
-
-
-class BackendError(ValueError):
-    """A backend that cannot be loaded, or whose cores do not keep the interface; the message names what."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,7 +145,9 @@ def as_backend(obj: object, origin: str, reserved: Collection[str] = ()) -> Back
                                f"(or an object with {', '.join(REQUIRED_MEMBERS)})")
         obj = made
     backend = adapt(obj)
-    if backend.name in reserved or str(backend.name).startswith("mutant:"):
+    if not isinstance(backend.name, str) or not backend.name:
+        raise BackendError(f"{origin}: name: expected a non-empty backend name, found {backend.name!r:.200}")
+    if backend.name in reserved or backend.name.startswith("mutant:"):
         raise BackendError(f"{origin}: the name {backend.name!r} is a built-in backend's; give yours another name")
     if backend.precision not in PRECISIONS:
         raise BackendError(f"{origin}: precision expected one of {PRECISIONS}, found {backend.precision!r}")

@@ -12,12 +12,14 @@ supplies it:
 A whole-model backend (an eager model with no swappable cores) subclasses WholeModelBackend: it adds
 `evaluate_trace(...)` and `time_trace(...)`, and the trace kind hands it the whole trace.
 Every backend of this package subclasses BackendBase; `adapt` wraps any other protocol object in ForeignBackend
-(ForeignWholeModel when it has `evaluate_trace`).
+(ForeignWholeModel when it has `evaluate_trace`). A backend is untrusted: `checked_kernel_cores` and
+`checked_availability` read what it says about itself and turn a wrong answer into a BackendError or an
+unavailable row naming what was expected and what was found, never a traceback.
 """
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from conformance.cases.protocol import Evaluation
@@ -25,6 +27,36 @@ from k3ref.cores import CORE_NAMES, Cores
 
 ALL_CORES = frozenset(CORE_NAMES)
 REQUIRED_MEMBERS = ("name", "precision", "available", "cores", "time_core")   # what every backend must have
+
+
+class BackendError(ValueError):
+    """A backend that cannot be loaded, or whose cores do not keep the interface; the message names what."""
+
+
+def checked_kernel_cores(found: object, who: str) -> frozenset[str]:
+    """`found` (what kernel_cores() returned) as a frozenset of names of k3ref.cores.CORE_NAMES; BackendError
+    naming `who`, what was expected and what was found otherwise. A str is refused: it would be read letter by
+    letter."""
+    expected = f"expected a set of core names from {sorted(ALL_CORES)}"
+    if isinstance(found, (str, bytes)) or not isinstance(found, Collection):
+        raise BackendError(f"{who}: kernel_cores() returned {type(found).__name__} {found!r:.200}; {expected}")
+    names = list(found)
+    odd = [n for n in names if not isinstance(n, str) or n not in ALL_CORES]
+    if odd:
+        raise BackendError(f"{who}: kernel_cores() names {odd!r:.300}, which are not core names; {expected}")
+    return frozenset(names)
+
+
+def checked_availability(probe: Callable[[], object]) -> tuple[bool, str]:
+    """What `probe` (a backend's available) answers, as (bool, reason); a probe that raises or answers in another
+    shape means "cannot run here", with what it did."""
+    try:
+        result = probe()
+    except Exception as e:  # noqa: BLE001 - a probe that crashes means "cannot run here", with the reason
+        return False, f"available() raised {type(e).__name__}: {e}"
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool)):
+        return False, f"available() must return (bool, reason), returned {result!r:.200}"
+    return result[0], str(result[1])
 
 
 @runtime_checkable
@@ -69,6 +101,9 @@ class BackendBase(abc.ABC):
 
     name: str
     precision: str
+    # False: the backend's cores may give other bits on the same inputs (atomics, split-K order); the runner then
+    # reports and gates the spread between two calls instead of requiring bit-identical outputs
+    deterministic: bool = True
 
     @property
     def device(self) -> str:
@@ -122,6 +157,11 @@ class _HasDevice(Protocol):
 
 
 @runtime_checkable
+class _HasDeterministic(Protocol):
+    deterministic: bool
+
+
+@runtime_checkable
 class _HasKernelCores(Protocol):
     def kernel_cores(self) -> Collection[str]: ...
 
@@ -153,8 +193,14 @@ class ForeignBackend(BackendBase):
 
     def __init__(self, obj: MinimalBackend):
         self.obj = obj
-        self.name, self.precision = obj.name, obj.precision
+        self.name = _attribute(obj, "name", str, "a non-empty backend name")
+        if not self.name:
+            raise BackendError(f"{obj!r:.200}: name: expected a non-empty backend name, found ''")
+        self.precision = _attribute(obj, "precision", str, "'fp64', 'fp32' or 'bf16'")
+        if isinstance(obj, _HasDeterministic):   # optional: BackendBase's default (True) stands in when absent
+            self.deterministic = _attribute(obj, "deterministic", bool, "True or False")
         self._kernel_cores = obj if isinstance(obj, _HasKernelCores) else None
+        self._kernel_names: frozenset[str] | None = None   # read and checked once, on first use
         self._copy_bandwidth = obj if isinstance(obj, _HasCopyBandwidth) else None
         self._speed_target = obj if isinstance(obj, _HasSpeedTarget) else None
 
@@ -167,10 +213,17 @@ class ForeignBackend(BackendBase):
         return self.obj.device if isinstance(self.obj, _HasDevice) else "cpu"
 
     def available(self) -> tuple[bool, str]:
-        return self.obj.available()
+        return checked_availability(self.obj.available)
 
     def cores(self) -> Cores:
-        return self.obj.cores()
+        try:
+            cores = self.obj.cores()
+        except Exception as e:
+            raise BackendError(f"backend {self.name}: cores() raised {type(e).__name__}: {e}") from e
+        if not isinstance(cores, Cores):
+            raise BackendError(f"backend {self.name}: cores() returned {type(cores).__name__}, expected "
+                               "k3ref.cores.Cores")
+        return cores
 
     def time_core(self, core: str, inputs: dict) -> float | None:
         return self.obj.time_core(core, inputs)
@@ -178,7 +231,13 @@ class ForeignBackend(BackendBase):
     def kernel_cores(self) -> frozenset[str]:
         if self._kernel_cores is None:
             return super().kernel_cores()
-        return frozenset(self._kernel_cores.kernel_cores())
+        if self._kernel_names is None:
+            try:
+                found = self._kernel_cores.kernel_cores()
+            except Exception as e:
+                raise BackendError(f"backend {self.name}: kernel_cores() raised {type(e).__name__}: {e}") from e
+            self._kernel_names = checked_kernel_cores(found, f"backend {self.name}")
+        return self._kernel_names
 
     def copy_bandwidth(self) -> float | None:
         return super().copy_bandwidth() if self._copy_bandwidth is None else self._copy_bandwidth.copy_bandwidth()
@@ -186,6 +245,16 @@ class ForeignBackend(BackendBase):
     def speed_target(self, block: str) -> float | None:
         return super().speed_target(block) if self._speed_target is None else self._speed_target.speed_target(block)
 
+
+def _attribute(obj: object, member: str, kind: type, expected: str):
+    """obj.<member>, which must be a `kind`; BackendError naming what was expected and found otherwise."""
+    try:
+        value = getattr(obj, member)
+    except Exception as e:
+        raise BackendError(f"{obj!r:.200}: reading {member} raised {type(e).__name__}: {e}") from e
+    if not isinstance(value, kind):
+        raise BackendError(f"{obj!r:.200}: {member}: expected {expected}, found {type(value).__name__} {value!r:.200}")
+    return value
 
 
 class ForeignWholeModel(ForeignBackend, WholeModelBackend):

@@ -35,11 +35,19 @@ from conformance.backends.builtin import (
     torch_model,
 )
 from conformance.backends.mutants import MUTANTS, Mutant, mutant_backend
-from conformance.backends.protocol import ALL_CORES, BackendBase, MinimalBackend, adapt, kernel_cores
+from conformance.backends.protocol import (
+    ALL_CORES,
+    BackendBase,
+    MinimalBackend,
+    adapt,
+    checked_availability,
+    kernel_cores,
+)
 from k3ref.cores import reference_cores
 
 __all__ = ["ALL_CORES", "BACKENDS", "DEVICE_BACKENDS", "MUTANTS", "ON_REQUEST", "Mutant", "NumpyBackend",
-           "availability", "backend_names", "get_backend", "is_external", "kernel_cores", "reference_cores"]
+           "availability", "backend_names", "get_backend", "is_external", "kernel_cores", "reference_cores",
+           "registered_name", "reserved_names"]
 
 DEVICE_BACKENDS = frozenset({"cuda"})
 Factory = Callable[[], BackendBase | MinimalBackend]
@@ -65,14 +73,19 @@ ON_REQUEST: dict[str, Factory] = {
 _CACHE: dict[str, BackendBase] = {}   # name -> backend, built once per process
 
 
+def reserved_names() -> frozenset[str]:
+    """The names an external backend may not take: the built-in and on-request ones (and, by prefix, mutants)."""
+    return frozenset(BACKENDS) | frozenset(ON_REQUEST)
+
+
 def is_external(name: str) -> bool:
     """True for a backend name that resolves outside this package: MODULE:ATTR or an installed entry point."""
-    return external.is_spec(name) or (name in external.entry_points() and name not in BACKENDS)
+    return external.is_spec(name) or (name in external.entry_points() and name not in reserved_names())
 
 
 def backend_names() -> list[str]:
     """Registered names (mutants excluded), in registry order, then the installed packages' entry points."""
-    return list(BACKENDS) + [n for n in external.entry_points() if n not in BACKENDS]
+    return list(BACKENDS) + [n for n in external.entry_points() if n not in reserved_names()]
 
 
 def get_backend(name: str) -> BackendBase:
@@ -81,6 +94,16 @@ def get_backend(name: str) -> BackendBase:
     if name not in _CACHE:
         _CACHE[name] = _build(name)
     return _CACHE[name]
+
+
+def registered_name(backend: BackendBase) -> str:
+    """The name get_backend built `backend` under: for an external backend its MODULE:ATTR spec (backend.name is
+    the author's), which is what another process passes to get_backend to build the same backend; KeyError when
+    get_backend did not build it."""
+    for name, built in _CACHE.items():
+        if built is backend:
+            return name
+    raise KeyError(f"backend {backend.name!r} was not built by conformance.backends.registry.get_backend")
 
 
 def _build(name: str) -> BackendBase:
@@ -92,9 +115,9 @@ def _build(name: str) -> BackendBase:
     if name in BACKENDS or name in ON_REQUEST:
         return adapt({**ON_REQUEST, **BACKENDS}[name]())
     if external.is_spec(name):              # MODULE:ATTR: a backend defined outside the package
-        return external.load(name, reserved=BACKENDS)
+        return external.load(name, reserved=reserved_names())
     if name in external.entry_points():     # an installed package's backend
-        return external.from_entry_point(name, reserved=BACKENDS)
+        return external.from_entry_point(name, reserved=reserved_names())
     raise KeyError(f"unknown backend {name!r}; known: {backend_names()}, mutant:<{'|'.join(MUTANTS)}> "
                    "or MODULE:ATTR (an external backend)")
 
@@ -104,6 +127,6 @@ def availability() -> list[tuple[str, str, bool, str]]:
     rows = []
     for name in backend_names():
         b = get_backend(name)
-        ok, why = b.available()
+        ok, why = checked_availability(b.available)
         rows.append((name, b.precision, ok, why))
     return rows

@@ -3,27 +3,26 @@
 A test that needs PyTorch, nvcc or g++ carries the marker `torch`, `nvcc` or `gxx` (tests/conftest.py checks
 them before the test runs) or calls `require(...)`. Without the tool the test is skipped with the reason;
 under K3_STRICT=1 (what CI sets) it fails with the reason instead, so CI cannot pass without compiling,
-emulating and comparing what it claims to.
+emulating and comparing what it claims to. K3_STRICT is read by the rule of `k3conf run` and the pytest plugin
+(conformance.session.strict: 1/true/yes/on strict, 0/false/no/off/empty not, anything else refused).
 """
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 
 import pytest
 
+from conformance.session import strict
 from k3cuda import build
+
+__all__ = ["import_or_skip", "missing", "require", "strict"]
 
 INSTALL = {
     "torch": "PyTorch is not installed ({why}): pip install 'k3-conformance[torch]' (or `make setup`)",
     "nvcc": "nvcc is not on PATH: the CPU-side kernel gates compile the kernels (install the CUDA toolkit)",
     "gxx": "g++ is not on PATH: the CPU emulation of the kernels needs a C++17 compiler",
 }
-
-
-def strict() -> bool:
-    return os.environ.get("K3_STRICT", "").strip() == "1"
 
 
 def missing(what: str) -> str | None:
