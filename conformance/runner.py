@@ -18,40 +18,88 @@ core would run: nothing of the backend is tested, and the case is not run). A ki
 reported, not gated (the free-running trace's intermediates): they are shown and never fail a case.
 Under K3_STRICT=1 a backend that cannot run here, other than those needing an accelerator
 (backends.DEVICE_BACKENDS), fails the run with its reason.
+
+Every backend but the built-in NumPy references (IN_PROCESS) is untrusted: its cases run in a worker process of
+its own (conformance.isolation), each core call on its own copies of the inputs, checked for writes; a crash,
+an exit, a signal, anything raised or a core silent past the time limit is an `error` row naming the backend,
+the core and the case, and the run goes on. A per-block case runs its kernel twice on the same inputs (candidate,
+reference, candidate): the bits must agree unless the backend declares `deterministic = False`. A per-block case
+that passes on its golden is judged again on inputs drawn with a fresh seed (conformance.cases.fresh; the seed is
+in a note, K3CONF_FRESH_SEED=N replays it), against the same gates and the baseline measured on those inputs.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import tempfile
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 from conformance.backends.registry import get_backend
 from conformance.cases.catalog import kind_of
+from conformance.cases.fresh import PER_BLOCK_KINDS, draw_seed, fresh_golden
 from conformance.cases.protocol import Case, Evaluation
 from conformance.cases.trace_names import layer_of
 from conformance.golden.errors import GoldenError
 from conformance.golden.regen import golden_problems
-from conformance.golden.store import load_manifest, read_golden, regen_command
+from conformance.golden.store import load_manifest, manifest_entry, read_golden, regen_command
+from conformance.isolation.client import (
+    DEFAULT_TIMEOUT,
+    IsolatedEvaluation,
+    KernelFailure,
+    WorkerPool,
+    golden_where,
+)
+from conformance.isolation.repeat import repeat_results
 from conformance.judge import gates
 from conformance.judge.compare import Comparison, compare
 from conformance.results import CaseResult, RunReport, TensorResult
-from conformance.session import resolve_backends, strict_missing
+from conformance.session import SessionError, resolve_backends, strict_missing
 from k3ref.cores import UnsupportedShape
 
 # The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.
 TIME_BASELINE = {"fp64": "torch64", "fp32": "torch", "bf16": "torch-bf16"}
+# The built-in NumPy references run in the run's own process: they are k3ref's code, the yardstick itself.
+IN_PROCESS = frozenset({"numpy64", "numpy32"})
+FRESH_SEED_ENV = "K3CONF_FRESH_SEED"
+
+
+def fresh_seed() -> int:
+    """The seed of this run's fresh inputs: K3CONF_FRESH_SEED when set (a replay), else a new random one."""
+    text = os.environ.get(FRESH_SEED_ENV, "").strip()
+    if not text:
+        return draw_seed()
+    if not text.isdigit():
+        raise SessionError(f"{FRESH_SEED_ENV}: expected a non-negative integer (a seed a report printed), "
+                           f"found {text[:60]!r}")
+    return int(text)
 
 
 class Runner:
     """Holds the per-run caches: goldens, baseline errors and timings."""
 
-    def __init__(self, root: Path, config: str, timing: bool):
+    capped = True   # the gate rows' caps apply (they were measured on these goldens)
+
+    def __init__(self, root: Path, config: str, timing: bool, *, timeout: float = DEFAULT_TIMEOUT,
+                 seed: int | None = None, in_process: frozenset[str] = IN_PROCESS, pool: WorkerPool | None = None):
+        """seed: of the fresh inputs (None: per-block cases are judged on their goldens only); in_process: the
+        backends run in this process; pool: the worker processes of the others (shared with the fresh runner)."""
         self.root, self.config, self.timing = Path(root), config, timing
+        self.seed, self.in_process = seed, in_process
+        self.pool = pool if pool is not None else WorkerPool(timeout)
+        self.entries: dict[str, dict] = {}   # golden path -> its manifest entry, for a worker to read it
+        self.fresh: FreshRunner | None = None
+        # the runner that made the pool stops its workers, when closed or collected (a pytest session's runner)
+        self._closer = weakref.finalize(self, WorkerPool.close, self.pool) if pool is None else None
         self.manifest: dict | None = None
         self.goldens: dict[str, object] = {}
         self.faults: dict[str, str] = {}    # case -> what is wrong with its golden ('' when nothing)
-        self.errors: dict[tuple[str, str], dict[str, float] | None] = {}   # (case, backend) -> tensor -> rel RMS
+        # (case, backend) -> tensor -> the baseline's errors
+        self.errors: dict[tuple[str, str], dict[str, gates.BaselineError] | None] = {}
         self.times: dict[tuple[str, str], float | None] = {}
         self.copy_bw: dict[str, float | None] = {}
 
@@ -79,11 +127,31 @@ class Runner:
         return self.faults[case.name]
 
     def evaluate(self, case: Case, golden, backend) -> Evaluation:
-        """The backend's run of `case` (the TP runner takes it from its ranks instead)."""
-        return kind_of(case).evaluate(case, golden, backend)
+        """The backend's run of `case` (the TP runner takes it from its ranks instead): in this process for the
+        built-in references, else in the backend's worker (a per-block case twice, for the determinism check)."""
+        if backend.name in self.in_process:
+            return kind_of(case).evaluate(case, golden, backend)
+        return self.pool.evaluate(case, self.where(case, golden), backend, repeat=case.kind in PER_BLOCK_KINDS)
 
-    def baseline_errors(self, case: Case, golden, precision: str) -> tuple[str | None, dict[str, float] | None]:
-        """(baseline name, tensor -> rel RMS error of the baseline) or (name, None) when it cannot run."""
+    def where(self, case: Case, golden) -> dict:
+        """Where a worker reads `golden` (conformance.isolation.client.golden_where)."""
+        path = Path(golden.path)
+        root = path.parents[case.name.count("/")]   # <root>/<block>/<id>.safetensors
+        if str(path) not in self.entries:
+            self.entries[str(path)] = manifest_entry(path.read_bytes(), golden.meta)
+        return golden_where(golden, case, root, self.entries[str(path)])
+
+    def close(self) -> None:
+        """Stop the worker processes and remove the fresh inputs (also done when the runner is collected)."""
+        if self._closer is not None:
+            self._closer()
+        if self.fresh is not None:
+            self.fresh.close()
+
+    def baseline_errors(self, case: Case, golden,
+                        precision: str) -> tuple[str | None, dict[str, gates.BaselineError] | None]:
+        """(baseline name, tensor -> the baseline's relative RMS and worst element errors) or (name, None) when it
+        cannot run."""
         name = gates.BASELINE.get(precision)
         if name is None:
             return None, None
@@ -99,8 +167,18 @@ class Runner:
 
     def time_of(self, case: Case, golden, backend) -> tuple[float, int] | None:
         try:
-            return kind_of(case).timing(case, golden, backend)
+            if backend.name in self.in_process:
+                return kind_of(case).timing(case, golden, backend)
+            return self.pool.timing(case, self.where(case, golden), backend)   # an untrusted core never runs here
         except Exception:  # noqa: BLE001 - a timer failure is reported as "not timed", not a failed case
+            return None
+
+    def copy_bandwidth(self, backend) -> float | None:
+        if backend.name in self.in_process:
+            return backend.copy_bandwidth()
+        try:
+            return self.pool.copy_bandwidth(backend)
+        except Exception:  # noqa: BLE001 - like a timer failure: no bandwidth ratio, not a failed case
             return None
 
     def speed(self, case: Case, golden, backend) -> gates.SpeedResult | None:
@@ -111,7 +189,7 @@ class Runner:
         if t is None:
             return None
         if backend.name not in self.copy_bw:
-            self.copy_bw[backend.name] = backend.copy_bandwidth()
+            self.copy_bw[backend.name] = self.copy_bandwidth(backend)
         base = TIME_BASELINE.get(backend.precision)
         base_s = None
         if base and base != backend.name:
@@ -157,6 +235,13 @@ class Runner:
         if is_baseline:   # the baseline itself: no second run
             self.errors[(case.name, backend.name)] = _rel_errors(run.outputs, golden)
         res.tensors = self._judge_tensors(case, golden, backend, run.outputs, run.info.tensor_notes, is_baseline)
+        if isinstance(run, IsolatedEvaluation) and run.again is not None:
+            cores = ", ".join(sorted(kind_of(case).cores_of(case) & backend.kernel_cores()))
+            failed, notes = repeat_results(res.tensors, run.outputs, run.again, backend.deterministic, cores)
+            res.tensors += failed
+            res.notes += notes
+        if all(t.passed for t in res.tensors):
+            self.judge_fresh(case, backend, res)
         if any(not t.passed for t in res.tensors):
             res.status = "fail"
             fault = self.golden_fault(case, golden)
@@ -168,6 +253,30 @@ class Runner:
         res.seconds = time.perf_counter() - t0
         return res
 
+    def judge_fresh(self, case: Case, backend, res: CaseResult) -> None:
+        """`res` (passed on its golden) judged again on fresh inputs: a note with the seed, and a failure there
+        fails the cell, its tensors noted "on fresh inputs"."""
+        if self.seed is None or case.kind not in PER_BLOCK_KINDS:
+            return
+        if res.role == "baseline":   # its own caps were measured on the goldens; on fresh inputs it sets the bounds
+            return
+        if self.fresh is None:
+            self.fresh = FreshRunner(self, self.seed)
+        seed = self.seed
+        spec = self.pool.specs.get(backend.name, backend.name)
+        replay = f"{FRESH_SEED_ENV}={seed} k3conf run --backend {spec} --cases '{case.name}'"
+        golden = self.fresh.golden(case)
+        if isinstance(golden, GoldenError):
+            res.notes.append(f"fresh inputs: seed {seed} could not be drawn ({golden}); judged on the golden only")
+            return
+        again = self.fresh.run_one(case, backend)
+        res.notes.append(f"fresh inputs: seed {seed} ({again.status}; replay: {replay})")
+        res.notes += [f"on fresh inputs: {n}" for n in again.notes]
+        if again.status == "error":
+            res.status, res.error = "error", f"on fresh inputs (seed {seed}; replay: {replay}): {again.error}"
+        res.tensors += [dataclasses.replace(t, note=f"on fresh inputs (seed {seed}; replay: {replay})"
+                                            + (f"; {t.note}" if t.note else "")) for t in again.tensors if not t.passed]
+
     def _evaluation_or_status(self, case: Case, golden, backend, res: CaseResult) -> Evaluation | None:
         """The backend's run; None when it could not give one, with res's status and error saying why."""
         try:
@@ -176,6 +285,9 @@ class Runner:
             res.status, res.error = "error", str(e)
         except UnsupportedShape as e:
             res.status, res.error = "skip", f"unsupported by {backend.name}: {e}"
+        except KernelFailure as e:   # raised, crashed or hung in its worker: the message names core and case
+            res.status = "error"
+            res.error = self.golden_fault(case, golden) or str(e)
         except Exception as e:  # noqa: BLE001 - a crashing backend is a failed case, with where it crashed
             where = traceback.extract_tb(e.__traceback__)[-1]
             res.status = "error"
@@ -203,49 +315,91 @@ class Runner:
             else:
                 cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
             b_err = None if base_errs is None or not relative else base_errs.get(tensor)
-            verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline)
+            if b_err is not None and kind.is_gated(case, tensor):
+                # a baseline over its own cap on a gated tensor has failed there: it sets no bound (gates.judge)
+                own = gates.baseline_gate_for(block, gate_name, backend.precision)[1].cap
+                b_err = dataclasses.replace(b_err, own_cap=own)
+            verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline, capped=self.capped)
             results.append(TensorResult(tensor, block, cmp, key, gate, verdict,
-                                        base_name if relative else None, b_err,
+                                        base_name if relative else None, None if b_err is None else b_err.rel_rms,
                                         layer_of(tensor), kind.is_gated(case, tensor),
                                         str(tensor_notes.get(tensor, ""))))
         return results
 
 
-def _rel_errors(outs: dict, golden) -> dict[str, float]:
-    """tensor -> relative RMS error of a baseline's outputs. A tensor the baseline got wrong in kind (missing,
-    misshaped, NaN where the golden has none) has no error to scale a bound by: it is left out, so that row
-    falls back to the cap alone instead of to k * 0 + floor."""
+def _rel_errors(outs: dict, golden) -> dict[str, gates.BaselineError]:
+    """tensor -> a baseline's relative RMS and worst element errors on its outputs. A tensor the baseline got wrong
+    in kind (missing, misshaped, NaN where the golden has none) has no error to scale a bound by: it is left out,
+    so that row falls back to the cap alone instead of to k * 0 + floor."""
     errs = {}
     for t, ref in golden.group("outputs").items():
         if t in outs:
             c = compare(outs[t], ref)
             if not c.problem and not c.exact and c.nonfinite_ok:
-                errs[t] = c.rel_rms
+                errs[t] = gates.BaselineError(c.rel_rms, c.worst_err)
     return errs
 
 
-def case_runner(root: Path, config: str = "tiny", timing: bool = True) -> Runner:
+class FreshRunner(Runner):
+    """The runner of one run's fresh inputs: a case's golden is drawn again with the run's seed into a work folder
+    (conformance.cases.fresh), judged like any golden, its baseline errors measured on it (own caches), but
+    against the baseline alone: the caps were measured on the goldens' inputs (gates.judge, capped=False)."""
+
+    capped = False
+
+    def __init__(self, parent: Runner, seed: int):
+        workdir = Path(tempfile.mkdtemp(prefix="k3conf-fresh-"))
+        super().__init__(workdir, parent.config, False, seed=None, in_process=parent.in_process, pool=parent.pool)
+        self.fresh_seed = seed
+        self._remove = weakref.finalize(self, shutil.rmtree, workdir, ignore_errors=True)
+
+    def golden(self, case: Case):
+        if case.name not in self.goldens:
+            try:
+                self.goldens[case.name] = fresh_golden(case, self.fresh_seed, self.root)
+            except Exception as e:  # noqa: BLE001 - data that cannot be drawn is said in a note, never a verdict
+                self.goldens[case.name] = GoldenError(f"{type(e).__name__}: {e}")
+        return self.goldens[case.name]
+
+    def close(self) -> None:
+        self._remove()   # the workers are the parent's: it stops them
+
+
+def case_runner(root: Path, config: str = "tiny", timing: bool = True, *, timeout: float = DEFAULT_TIMEOUT,
+                specs: dict[str, str] | None = None) -> Runner:
     """A runner with empty caches for callers that run cases one at a time (`.run_one(case, backend)`): the
-    pytest plugin, one test item per case."""
-    return Runner(root, config, timing)
+    pytest plugin, one test item per case. Its worker processes end when it is collected or the process ends.
+    specs: backend name -> the name it was loaded by (`file.py:ATTR`), for a worker that loads it afresh."""
+    runner = Runner(root, config, timing, timeout=timeout, seed=fresh_seed())
+    runner.pool.specs = dict(specs or {})
+    return runner
 
 
 def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, config: str = "tiny",
-        timing: bool = True, progress=None) -> RunReport:
+        timing: bool = True, progress=None, timeout: float = DEFAULT_TIMEOUT,
+        in_process: frozenset[str] = IN_PROCESS) -> RunReport:
     """Run `cases` on the named backends (every registered one when None) against the goldens in `root`.
 
-    progress: optional callable(done, total, label) called after each (case, backend).
+    progress: optional callable(done, total, label) called after each (case, backend). timeout: seconds an
+    isolated backend's worker may stay silent (in one core call); in_process: the backends not isolated.
     """
     t0 = time.perf_counter()
     backends, rows = resolve_backends(backend_names)
-    runner = Runner(root, config, timing)
+    runner = Runner(root, config, timing, timeout=timeout, seed=fresh_seed(), in_process=in_process)
+    runner.pool.specs = {row.get("backend", row["name"]): row["name"] for row in rows}   # a worker loads it so
+    for row in rows:   # how each backend ran, in the report
+        row["isolation"] = ("in the run's process (built-in NumPy reference)" if row["name"] in in_process
+                            else f"worker process, time limit {timeout:g} s per core call")
     results = []
     total = len(cases) * len(backends)
-    for case in cases:
-        for b in backends:
-            results.append(runner.run_one(case, b))
-            if progress:
-                progress(len(results), total, f"{case.name} on {b.name}")
+    try:
+        for case in cases:
+            for b in backends:
+                results.append(runner.run_one(case, b))
+                if progress:
+                    progress(len(results), total, f"{case.name} on {b.name}")
+    finally:
+        runner.close()
     bw = {k: v for k, v in runner.copy_bw.items() if v}
     return RunReport(config, rows, results, time.perf_counter() - t0, bw, strict_missing(rows))
 

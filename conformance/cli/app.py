@@ -14,7 +14,7 @@ from conformance.session import SessionError
 
 COMMANDS = (admit, blocks, decode, list_, model, regen, run, show)   # `k3conf --help` lists them in this order
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return EXIT_OK
+    except KeyboardInterrupt:   # Ctrl-C: one line, no traceback, and never the exit code of a finished run
+        print(f"k3conf {args.command}: interrupted; no report was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit as e:     # code of ours never exits from inside a command: something loaded did
+        print(f"k3conf {args.command}: stopped by sys.exit({e.code!r}) from code the command loaded (a backend?) "
+              "before it finished; no report was written", file=sys.stderr)
+        return EXIT_FAIL
     except OSError as e:   # a path the checks above did not foresee: still a named file, not a traceback
         print(f"k3conf {args.command}: {str(e.filename or '')[:300]}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE

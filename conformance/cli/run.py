@@ -1,22 +1,31 @@
 """`k3conf run`: every case on every backend, gated; terminal table + report.json/md/html."""
 from __future__ import annotations
 
-import os
-import shutil
+import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
 
 from conformance import report as rep
-from conformance.cli.usage import UsageError
+from conformance.isolation.client import DEFAULT_TIMEOUT
 from conformance.runner import run as run_cases
-from conformance.session import check_backends, golden_root, pick_cases
+from conformance.session import check_backends, check_report_dir, golden_root, pick_cases
 from conformance.tp.cli import run_tp_command
 
-__all__ = ["add_tp_options", "register", "run"]
+__all__ = ["add_tp_options", "register", "run", "seconds"]
+
+
+def seconds(text: str) -> float:
+    """A --timeout value: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, found {text!r}")
+    return value
 
 
 def register(sub) -> None:
@@ -34,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--golden", type=Path, default=None, metavar="DIR",
                    help="golden directory (default golden/ for tiny, the cache for small)")
     p.add_argument("--no-timing", action="store_true", help="skip the speed measurements")
+    p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="how long a backend's core may run (in its worker process) before the case is an error "
+                        f"and the worker is stopped (default {DEFAULT_TIMEOUT:g})")
     add_tp_options(p)
     p.add_argument("--tp-mutant", default=None, metavar="NAME",
                    help="with --tp: a deliberately wrong TP plan (g_proj-row-split, q_proj-neighbour-heads), to "
@@ -55,14 +67,14 @@ def run(args) -> int:
     if args.tp != 1:
         return run_tp_command(args)
     cases = pick_cases(args.config, args.cases)
-    check_backends(args.backend or [])
+    check_backends(args.backend or [], args.timeout)
     root = golden_root(args.golden, args.config)
     check_report_dir(args.report)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     report = run_with_progress(cases, args, root, console)
     rep.print_terminal(report, console)
     try:
-        paths = write_reports_together(report, args.report)
+        paths = rep.write_reports(report, args.report)
     except OSError as e:   # the folder was writable before the run; it is not now
         print(f"k3conf run: cannot write the reports to {args.report} ({e.strerror}); none was written",
               file=sys.stderr)
@@ -74,7 +86,8 @@ def run(args) -> int:
 def run_with_progress(cases, args, root: Path, console):
     """The run's report; a progress bar on a terminal when there are more than a handful of cases."""
     if not (console.is_terminal and len(cases) > 10):
-        return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing)
+        return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
+                         timeout=args.timeout)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("k3conf run", total=None)
 
@@ -82,31 +95,4 @@ def run_with_progress(cases, args, root: Path, console):
             bar.update(task, completed=done, total=total, description=label)
 
         return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
-                         progress=progress)
-
-
-def check_report_dir(out: Path) -> None:
-    """Refuse an unwritable --report before running anything (not after a long run): create the folder
-    and a probe file in it."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except (OSError, ValueError) as e:
-        why = (e.strerror if isinstance(e, OSError) else None) or str(e)
-        raise UsageError(f"--report {str(out)[:300]}: cannot write reports there ({why}); pass --report DIR") from None
-
-
-def write_reports_together(report, out: Path) -> list[Path]:
-    """report.json, .md and .html: all three, or none. They are written into a temporary folder inside
-    `out` first and renamed into place only when all three exist, so a failure (disk full, say) never
-    leaves a new JSON next to a stale HTML."""
-    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
-    try:
-        written = rep.write_reports(report, tmp)
-        final = [out / p.name for p in written]
-        for src, dst in zip(written, final, strict=True):
-            os.replace(src, dst)
-        return final
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                         timeout=args.timeout, progress=progress)

@@ -2,9 +2,11 @@
 plugin, the example backend through the CLI and the plugin, and the fla adapter's argument mapping."""
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -22,8 +24,9 @@ from conformance.backends.checks import check_cores
 from conformance.backends.external import BackendError
 from conformance.cases.catalog import all_cases, select
 from conformance.cases.core import CORE_SPECS, CORE_TABLE
+from conformance.cases.inputs import cast
 from conformance.cli import main as k3conf
-from conformance.golden.store import COMMITTED_ROOT
+from conformance.golden.store import COMMITTED_ROOT, read_golden
 from conformance.runner import case_runner
 from k3ref.cores import UnsupportedShape, reference_cores
 from tests.support.tolerances import rel_rms, tol
@@ -437,3 +440,145 @@ def test_fla_adapter_computes_k3_kda_with_flas_naive_recurrence(case, params):
     for out, g, w in zip(("o", "state"), got, want, strict=True):
         assert g.shape == w.shape, out
         assert rel_rms(g, w) <= tol("fp32_vs_fp64"), (out, rel_rms(g, w))
+
+
+# ------------------------------------------------------------------------------------------ the core check: values
+
+
+def _digest(arrays: dict) -> str:
+    """A memoriser's key: every array argument's name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name in sorted(k for k, v in arrays.items() if isinstance(v, np.ndarray)):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype}:{a.shape}".encode() + a.tobytes())
+    return h.hexdigest()
+
+
+def _memoriser(core: str, precision: str = "fp32"):
+    """The cheat: the committed goldens' outputs when the inputs are a golden's (as the run casts them), zeros of
+    the right shape and dtype otherwise."""
+    spec = CORE_SPECS[core]
+    table = {}
+    for case in select(all_cases("tiny"), [core]):
+        golden = read_golden(COMMITTED_ROOT, case.name)
+        inputs = {k: cast(v, precision) for k, v in golden.group("inputs").items()}
+        outs = tuple(v.astype(np.float32) if v.dtype.kind == "f" else v
+                     for v in (golden.tensors[f"outputs.{o}"] for o in spec.outputs))
+        table[_digest(inputs)] = outs if len(outs) > 1 else outs[0]
+
+    def make(base):
+        def core_fn(**arguments):
+            stored = table.get(_digest(arguments))
+            return stored if stored is not None else _zeros(getattr(base, core)(**arguments))
+        return core_fn
+    return make
+
+
+def _zeros(result):
+    return tuple(np.zeros_like(r) for r in result) if isinstance(result, tuple) else np.zeros_like(result)
+
+
+def _per_shape_first_answer(core: str):
+    """The cheat: the answer of its first call for each input shape, forever."""
+    def make(base):
+        first = {}   # input shapes -> the first answer
+
+        def core_fn(**arguments):
+            key = tuple((k, np.shape(v)) for k, v in sorted(arguments.items()) if isinstance(v, np.ndarray))
+            if key not in first:
+                first[key] = getattr(base, core)(**arguments)
+            return first[key]
+        return core_fn
+    return make
+
+
+@pytest.mark.parametrize("core", ["mxfp4_gemv", "kda_decode"])
+def test_a_memoriser_reproduces_every_golden_yet_is_refused_at_start_up(core):
+    backend = _backend(**{core: _memoriser(core)})
+    cores = backend.cores()
+    for case in select(all_cases("tiny"), [core]):     # a judge that reads only the goldens would pass it
+        golden = read_golden(COMMITTED_ROOT, case.name)
+        got = getattr(cores, core)(**{k: cast(v, "fp32") for k, v in golden.group("inputs").items()}, **{
+            k: v for k, v in golden.kwargs.items() if k != "kernel_entry"})
+        got = got if isinstance(got, tuple) else (got,)
+        for out, g in zip(CORE_SPECS[core].outputs, got, strict=True):
+            assert rel_rms(g, golden.tensors[f"outputs.{out}"]) <= tol("fp32_vs_fp64"), (case.name, out)
+    first_output = CORE_SPECS[core].outputs[0]
+    with pytest.raises(BackendError, match=rf"core {core}: output {first_output} is no answer to its inputs: "
+                                           rf"against the float64 reference .* rel RMS 1 > 0.5, .* gate row "
+                                           rf"\('{core}', '\*', 'fp32'\)"):
+        check_cores(backend)
+
+
+@pytest.mark.parametrize("core, output", [(c, s.outputs[0]) for c, s in CORE_SPECS.items()])
+def test_a_zero_returner_is_refused_at_start_up(core, output):
+    backend = _backend(**{core: lambda base, core=core: lambda **a: _zeros(getattr(base, core)(**a))})
+    with pytest.raises(BackendError, match=rf"core {core}: output {output} is no answer .* rel RMS 1 > 0.5, max abs"):
+        check_cores(backend)      # any seed: nothing is zero on the tiny cases
+
+
+@pytest.mark.parametrize("core, precision", [("rmsnorm", "fp32"), ("attnres_mix", "bf16"), ("moe_route", "fp64")])
+def test_a_first_answer_cache_is_refused_at_start_up(core, precision):
+    backend = _backend(precision, **{core: _per_shape_first_answer(core)})
+    # the second draw of each tiny case has the first one's shapes: only its values can tell
+    refused = rf"core {core}( on a tiny input .*\))?: output \w+ (is no answer|must equal)"
+    with pytest.raises(BackendError, match=refused):
+        check_cores(backend)
+
+
+def test_a_value_error_names_core_tensor_error_bound_and_seed_and_replays():
+    backend = _backend(rmsnorm=lambda base: lambda **a: -base.rmsnorm(**a))     # a sign flip: rel RMS 2
+    messages = []
+    for _ in range(2):
+        with pytest.raises(BackendError) as info:
+            check_cores(backend, seed=123)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert re.search(r"backend test-ext: core rmsnorm: output y is no answer to its inputs: .* rel RMS 2 > 0\.5, "
+                     r".* gate row \('rmsnorm', '\*', 'fp32'\) caps the run at 1e-05", messages[0])
+    assert "check seed 123, draw " in messages[0] and "like rmsnorm/" in messages[0]
+
+
+@pytest.mark.parametrize("name", ["numpy32", "numpy64", "torch", "torch-bf16"])
+def test_built_in_cores_pass_the_value_check_for_any_seed(name):
+    if name.startswith("torch"):
+        pytest.importorskip("torch", reason="the PyTorch baselines need torch")
+    backend = backends.get_backend(name)
+    for seed in (1, 2, 3, 987654321, 2 ** 31 - 2):
+        check_cores(backend, seed=seed)
+
+
+def test_an_inaccurate_core_passes_the_start_up_check_and_fails_the_run_with_its_report(tmp_path, capsys):
+    """Off by 1e-3 is an answer to the inputs, only not a good one: the start-up check lets it through (exit 2
+    would call it bad usage) and the run fails it against its gate rows (exit 1), with the report."""
+    path = _write(tmp_path / "off.py", """
+        import numpy as np
+        from conformance import Backend
+
+        def make():
+            return Backend.from_cores("off-ext", "fp32", lambda base: base.replace(
+                mxfp4_gemv=lambda **a: base.mxfp4_gemv(**a) * np.float32(1.001)))
+    """)
+    code = k3conf(["run", "--backend", f"{path}:make", "--cases", "mxfp4_gemv", "--no-timing",
+                   "--report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    cells = [r for r in report["results"] if r["backend"] == "off-ext"]
+    assert cells and all(r["status"] == "fail" for r in cells), [(r["case"], r["status"]) for r in cells]
+
+
+def test_a_sign_flip_stops_the_run_before_the_cases(tmp_path, capsys):
+    path = _write(tmp_path / "flip.py", """
+        from conformance import Backend
+
+        def make():
+            return Backend.from_cores("flip-ext", "fp32", lambda base: base.replace(
+                mxfp4_gemv=lambda **a: -base.mxfp4_gemv(**a)))
+    """)
+    code = k3conf(["run", "--backend", f"{path}:make", "--cases", "mxfp4_gemv", "--no-timing",
+                   "--report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r"core mxfp4_gemv: output y is no answer to its inputs: .* rel RMS 2 > 0\.5", err), err
+    assert not (tmp_path / "report.json").exists()

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from conformance import report as rep
 from conformance.cases.catalog import all_cases, select
 from conformance.cli import main
+from conformance.cli.app import EXIT_INTERRUPTED
 from conformance.golden import durable
 from conformance.golden import store as goldens
 from conformance.golden.regen import regenerate
@@ -147,8 +148,9 @@ def test_ctrl_c_between_renames_still_commits_everything(root):
     """Ctrl-C is held back while the files and the manifest are renamed: all of them land, then it stops."""
     for case in KILL_CASES:
         _edit(root, case, fn_meta=lambda m: {**m, "seed": "99"})
-    # the interrupt, held back during the renames, is delivered once they are done: Python dies of it
-    assert _regen_accept(root, signal.SIGINT, at=("commit", 1)) == -signal.SIGINT
+    # the interrupt, held back during the renames, is delivered once they are done: the command stops with the
+    # CLI's interrupted status (one line, no traceback), not as a finished regeneration
+    assert _regen_accept(root, signal.SIGINT, at=("commit", 1)) == EXIT_INTERRUPTED
     for case in KILL_CASES:
         assert read_golden(root, case).meta["seed"] != "99", case
 
@@ -335,11 +337,10 @@ def test_failed_report_write_keeps_exit_1_and_writes_none(root, tmp_path, capsys
     _edit(root, CASE, _nan_output)
     out = tmp_path / "rep"
 
-    def half(report, out_dir):
-        (Path(out_dir) / "report.json").write_text("{}")
+    def disk_full(report):   # the third report fails after report.json and report.md were written
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rep, "write_reports", half)
+    monkeypatch.setattr(rep, "html_report", disk_full)
     assert main(["run", "--backend", "numpy64", "--golden", str(root), "--cases", CASE, "--report", str(out),
                  "--no-timing"]) == 1
     assert "none was written" in capsys.readouterr().err
@@ -415,3 +416,25 @@ def test_fuzzed_manifest_fails_only_with_a_golden_error(fresh, tmp_path_factory,
         read_golden(root, CASE)
     except GoldenError as e:
         assert "MANIFEST.json" in str(e) or str(goldens.golden_path(root, CASE)) in str(e)
+
+
+# ----- one golden directory, several configs -----
+
+def test_regen_of_one_config_keeps_the_manifest_entries_of_another(root, capsys):
+    """`regen --config small --out DIR` over a directory of tiny goldens prunes only small's stale rows."""
+    tiny = json.loads((root / "MANIFEST.json").read_text())["files"]
+    m = json.loads((root / "MANIFEST.json").read_text())
+    m["files"]["gone/small-case.safetensors"] = {**m["files"][CASE + ".safetensors"], "config": "small"}
+    (root / "MANIFEST.json").write_text(json.dumps(m))
+    small = ["--config", "small", "--out", str(root), "--cases", "rmsnorm/*"]
+    assert main(["regen", "--check", *small]) == 1
+    out = capsys.readouterr().out
+    assert "gone/small-case.safetensors: STALE" in out
+    assert not any(f"{rel}: STALE" in out for rel in tiny), out
+    assert main(["regen", *small]) == 0
+    files = json.loads((root / "MANIFEST.json").read_text())["files"]
+    assert {rel: files.get(rel) for rel in tiny} == tiny, "every tiny row kept as it was"
+    assert "gone/small-case.safetensors" not in files
+    assert [files[rel]["config"] for rel in files if rel not in tiny] == ["small"]
+    assert main(["regen", "--check", "--out", str(root), "--cases", *KILL_CASES]) == 0   # small's row is not stale
+    assert "STALE" not in capsys.readouterr().out

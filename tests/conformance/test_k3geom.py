@@ -22,7 +22,7 @@ from conformance.cases import traces
 from conformance.cases.catalog import all_cases, select
 from conformance.cases.core import ENTRY_KEY
 from conformance.golden.store import COMMITTED_ROOT, read_golden
-from conformance.runner import run
+from conformance.runner import IN_PROCESS, run
 from k3cuda import attnres_mix as AR
 from k3cuda import kda_decode as KDA
 from k3cuda import mla_decode as MLA
@@ -31,6 +31,9 @@ from k3ref.config import MXFP4_GROUP, K3Config
 
 GEOM = K3Config.preset("k3geom")
 TRACES = "trace/k3geom/*"
+# These tests read what the emulator and the trace's fallback record saw (module state of this process), so the
+# kernel backends run here rather than in a worker process; isolation itself is tested in test_isolation.py.
+EMULATOR_WATCHED = IN_PROCESS | {"cuda-emu", "cuda"}
 
 
 @pytest.fixture
@@ -100,7 +103,7 @@ def test_k3geom_traces_run_every_kernel_on_cuda_emu(emu, fallback_records):
     for case in select(all_cases("tiny"), [TRACES]):
         emu.clear()
         fallback_records.clear()
-        report = run([case], ["cuda-emu"], COMMITTED_ROOT, timing=False)
+        report = run([case], ["cuda-emu"], COMMITTED_ROOT, timing=False, in_process=EMULATOR_WATCHED)
         assert report.exit_code == 0, report.first_failure_line()
         assert fallback_records and all(r == {} for r in fallback_records), \
             f"{case.name}: reference cores ran: {fallback_records}"
@@ -115,21 +118,23 @@ def test_k3geom_traces_run_without_fallback_on_cuda(fallback_records):
     ok, why = get_backend("cuda").available()
     if not ok:
         pytest.skip(f"CUDA backend unavailable: {why}")
-    report = run(select(all_cases("tiny"), [TRACES]), ["cuda"], COMMITTED_ROOT, timing=False)
+    report = run(select(all_cases("tiny"), [TRACES]), ["cuda"], COMMITTED_ROOT, timing=False,
+                 in_process=EMULATOR_WATCHED)
     assert report.exit_code == 0, report.first_failure_line()
     assert fallback_records and all(r == {} for r in fallback_records), f"reference cores ran: {fallback_records}"
 
 
 def test_tiny_traces_record_the_kda_fallback(emu, fallback_records):
     """The record the test above reads is the real one: tiny's head_dim 8 makes kda_decode fall back."""
-    run(select(all_cases("tiny"), ["trace/free-P7-D5"]), ["cuda-emu"], COMMITTED_ROOT, timing=False)
+    run(select(all_cases("tiny"), ["trace/free-P7-D5"]), ["cuda-emu"], COMMITTED_ROOT, timing=False,
+        in_process=EMULATOR_WATCHED)
     assert {"kda_decode"} in [set(r) for r in fallback_records]
 
 
 def test_block_cases_launch_every_kernel_entry(emu):
     """The committed per-block cases, on cuda-emu, launch every entry of every kernel (forced ones included)."""
     cases = [c for c in all_cases("tiny") if c.kind == "core" and c.block in k3cuda.KERNEL_MODULES]
-    report = run(cases, ["cuda-emu"], COMMITTED_ROOT, timing=False)
+    report = run(cases, ["cuda-emu"], COMMITTED_ROOT, timing=False, in_process=EMULATOR_WATCHED)
     assert report.exit_code == 0, report.first_failure_line()
     every = {(spec.block, e.name) for spec in k3cuda.kernel_specs() for e in spec.entries}
     assert every - set(emu) == set(), f"entries no case launched: {sorted(every - set(emu))}"
@@ -141,7 +146,8 @@ def test_block_cases_launch_every_kernel_entry(emu):
 ])
 def test_forced_entry_case_runs_that_entry(emu, case, block, entry):
     assert read_golden(COMMITTED_ROOT, case).kwargs[ENTRY_KEY] == entry
-    report = run(select(all_cases("tiny"), [case]), ["cuda-emu"], COMMITTED_ROOT, timing=False)
+    report = run(select(all_cases("tiny"), [case]), ["cuda-emu"], COMMITTED_ROOT, timing=False,
+                 in_process=EMULATOR_WATCHED)
     assert report.exit_code == 0, report.first_failure_line()
     assert {e for b, e in emu if b == block} & set(KDA.CHOOSABLE_ENTRIES + MLA.CHOOSABLE_ENTRIES) == {entry}
 
