@@ -42,19 +42,6 @@ class Offline:
         return False, "no such device on this machine (test backend)"
 
 
-@pytest.fixture
-def extra_backend(monkeypatch):
-    """register(name, factory) for the duration of one test."""
-
-    def register(name, factory):
-        monkeypatch.setitem(backends.BACKENDS, name, factory)
-        monkeypatch.delitem(backends._CACHE, name, raising=False)
-
-    yield register
-    for name in ("offline", "slow32"):
-        backends._CACHE.pop(name, None)
-
-
 def test_run_subset_passes_and_writes_self_contained_reports(tmp_path, capsys):
     rc = main(["run", "--backend", "numpy64", "numpy32", "--cases", *SUBSET, "--report", str(tmp_path), "--no-timing"])
     out = capsys.readouterr().out

@@ -22,18 +22,6 @@ D512 = "rmsnorm/T3-D512-eps1e-6"
 ROW = Gate(3e-2, 2.5, 0.0, 1e-2, 5e-2, "test row", elem_k=3.0, elem_floor=0.0, elem_why="test multiple")
 
 
-@pytest.fixture
-def extra_backend(monkeypatch):
-    """register(name, factory) for the duration of one test."""
-
-    def register(name, factory):
-        monkeypatch.setitem(backends.BACKENDS, name, factory)
-        monkeypatch.delitem(backends._CACHE, name, raising=False)
-
-    yield register
-    backends._CACHE.pop("offline", None)
-
-
 def _one_case(name: str):
     return select(all_cases("tiny"), [name])
 
