@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_OK
     except KeyboardInterrupt:   # Ctrl-C: one line, no traceback, and never the exit code of a finished run
-        print(f"k3conf {args.command}: interrupted; no report was written", file=sys.stderr)
+        print(f"k3conf {args.command}: interrupted" + ("; no report was written" if args.command == "run" else ""),
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit as e:     # code of ours never exits from inside a command: something loaded did
         print(f"k3conf {args.command}: stopped by sys.exit({e.code!r}) from code the command loaded (a backend?) "
