@@ -216,6 +216,8 @@ def test_decode_refuses_non_finite_logits_naming_the_checkpoint_tensor(pristine_
     assert "Traceback" not in err
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")   # the overflow is the point
 def test_a_finite_model_whose_forward_overflows_is_refused_too():
     """NaN logits from finite weights: refused at the first step, and no weight is blamed."""
     model = K3CpuModel.synthetic(K3Config.preset("tiny"), 0)
