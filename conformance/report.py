@@ -122,14 +122,30 @@ def baseline_notes(report: RunReport) -> list[str]:
     """One line per precision whose baseline could not run (its rows used the absolute cap alone), and the
     notes of the results (e.g. a trace core that fell back to the reference)."""
     notes: set[str] = set()
+    fresh_passes: dict[str, int] = {}   # seed -> cells that passed on fresh inputs too: one line, not one per cell
     for r in report.results:
-        notes.update(f"{r.case} on {r.backend}: {n}" for n in r.notes)
+        for n in r.notes:
+            seed = _fresh_pass_seed(n)
+            if seed is None:
+                notes.add(f"{r.case} on {r.backend}: {n}")
+            else:
+                fresh_passes[seed] = fresh_passes.get(seed, 0) + 1
         if r.status == "n/a":
             notes.add(f"{r.case} on {r.backend}: n/a, {r.error}")
         for t in r.tensors:
             if t.baseline is not None and t.baseline_err is None and not t.comparison.exact:
                 notes.add(f"baseline {t.baseline} unavailable for {r.precision}: the absolute cap alone applied")
+    notes.update(f"fresh inputs: seed {seed}: {n} (case, backend) result(s) passed on them too (replay: "
+                 f"K3CONF_FRESH_SEED={seed} k3conf run ...)" for seed, n in fresh_passes.items())
     return sorted(notes)
+
+
+def _fresh_pass_seed(note: str) -> str | None:
+    """The seed of a runner's 'fresh inputs: seed N (pass; ...)' note, else None (a failure keeps its own line)."""
+    head, _, rest = note.partition(" (")
+    if head.startswith("fresh inputs: seed ") and rest.startswith("pass;"):
+        return head.removeprefix("fresh inputs: seed ")
+    return None
 
 
 def _why(r: CaseResult) -> str:

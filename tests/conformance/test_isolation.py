@@ -108,6 +108,10 @@ def test_fresh_inputs_are_noted_with_a_seed_that_replays(tmp_path, monkeypatch):
     notes = cells(report)[(RMS, "noisy-declared")]["notes"]
     replay = f"replay: K3CONF_FRESH_SEED=12345 k3conf run --backend {KERNELS}:NOISY_DECLARED --cases '{RMS}'"
     assert rc == 0 and f"fresh inputs: seed 12345 (pass; {replay})" in notes, notes
+    # the person reading the report gets one line for the seed, not one per passing cell
+    md = (tmp_path / "report.md").read_text()
+    assert md.count("fresh inputs: seed 12345") == 1, md   # numpy32, the baseline, sets the bounds there
+    assert "fresh inputs: seed 12345: 1 (case, backend) result(s) passed on them too" in md, md
 
 
 def test_a_bad_fresh_seed_is_refused(tmp_path, monkeypatch, capsys):
