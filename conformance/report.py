@@ -167,6 +167,21 @@ def _verdict(t) -> str:
     return "pass" if t.passed else "FAIL"
 
 
+def present(report: RunReport, out_dir: Path, command: str, console: Console | None = None) -> int:
+    """The end of a run for its front end: `report` on the terminal, its files in `out_dir`, and the run's exit
+    status. The folder was writable before the run; if it is not now, a failed gate still says 1, else 2."""
+    console = console or Console(width=None if _isatty() else 160)
+    print_terminal(report, console)
+    try:
+        paths = write_reports(report, out_dir)
+    except OSError as e:
+        print(f"{command}: cannot write the reports to {out_dir} ({e.strerror or e}); none was written",
+              file=sys.stderr)
+        return report.exit_code or 2
+    console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
+    return report.exit_code
+
+
 def write_reports(report: RunReport, out_dir: Path) -> list[Path]:
     """report.json, report.md and report.html under out_dir, all three or none; returns the paths. They are
     written into a temporary folder inside `out_dir` first and renamed into place only when all three exist, so

@@ -72,15 +72,7 @@ def run(args) -> int:
     check_report_dir(args.report)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     report = run_with_progress(cases, args, root, console)
-    rep.print_terminal(report, console)
-    try:
-        paths = rep.write_reports(report, args.report)
-    except OSError as e:   # the folder was writable before the run; it is not now
-        print(f"k3conf run: cannot write the reports to {args.report} ({e.strerror}); none was written",
-              file=sys.stderr)
-        return report.exit_code or 2   # a failed gate still says 1
-    console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
-    return report.exit_code
+    return rep.present(report, args.report, "k3conf run", console)
 
 
 def run_with_progress(cases, args, root: Path, console):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-
-from rich.console import Console
+from typing import TypeVar
 
 from conformance import report as rep
 from conformance.cases.catalog import select
@@ -21,6 +21,8 @@ from conformance.tp.launch import TpFailure, check_dist, default_dist
 from conformance.tp.lifetime import TpStopped, stop_on_signals
 from conformance.tp.rank import make_plan
 from conformance.tp.tprun import TRACE_KIND, check_plan, execute, run_tp
+
+T = TypeVar("T")
 
 
 def _common(args) -> str:
@@ -56,28 +58,29 @@ def run_tp_command(args) -> int:
         raise SessionError(f"--tp {args.tp}: {e}") from None
     root = golden_root(args.golden, args.config)
     check_report_dir(args.report)
-    try:
-        with stop_on_signals():
-            report = run_tp(cases, root, config=args.config, tp=args.tp, dist=dist, timeout=args.tp_timeout,
-                            mutant=args.tp_mutant, on_start=_announce)
-    except TpStopped as e:
-        print(f"k3conf run --tp {args.tp}: {e}", file=sys.stderr)
-        return e.exit_code
-    except TpFailure as e:
-        print(f"k3conf run --tp {args.tp}: {e}", file=sys.stderr)
-        return 1
+    command = f"k3conf run --tp {args.tp}"
+    report, failed = _on_ranks(command, lambda: run_tp(cases, root, config=args.config, tp=args.tp, dist=dist,
+                                                        timeout=args.tp_timeout, mutant=args.tp_mutant,
+                                                        on_start=_announce))
+    if failed is not None:
+        return failed
     if report is None:          # a torchrun rank other than 0: rank 0 reports
         return 0
-    console = Console() if sys.stdout.isatty() else Console(width=160)
-    rep.print_terminal(report, console)
+    return rep.present(report, args.report, command)
+
+
+def _on_ranks(command: str, start: Callable[[], T]) -> tuple[T | None, int | None]:
+    """(what `start` returned, None) when the ranks ran to the end; (None, exit status) with one line naming why
+    when they were stopped by a signal (128 + N) or one of them failed (1)."""
     try:
-        paths = rep.write_reports(report, args.report)
-    except OSError as e:   # the folder was writable before the run; it is not now
-        print(f"k3conf run --tp {args.tp}: cannot write the reports to {args.report} ({e.strerror or e})",
-              file=sys.stderr)
-        return report.exit_code or 2   # a failed gate still says 1
-    console.print(f"reports: {', '.join(str(p) for p in paths)}", highlight=False)
-    return report.exit_code
+        with stop_on_signals():
+            return start(), None
+    except TpStopped as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None, e.exit_code
+    except TpFailure as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None, 1
 
 
 def decode_tp_command(args, cfg, prompt: list[int]) -> int:
@@ -91,15 +94,9 @@ def decode_tp_command(args, cfg, prompt: list[int]) -> int:
            "config_json": json.loads(json.dumps(dataclasses.asdict(cfg))),
            "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None, "seed": args.seed,
            "prompt": prompt, "max_new": args.max_new, "dtype": args.dtype}
-    try:
-        with stop_on_signals():
-            result = execute(job, on_start=_announce)
-    except TpStopped as e:
-        print(f"k3conf decode --tp {args.tp}: {e}", file=sys.stderr)
-        return e.exit_code
-    except TpFailure as e:
-        print(f"k3conf decode --tp {args.tp}: {e}", file=sys.stderr)
-        return 1
+    result, failed = _on_ranks(f"k3conf decode --tp {args.tp}", lambda: execute(job, on_start=_announce))
+    if failed is not None:
+        return failed
     if not result:
         return 0
     for row in result["ranks"]["decode"]:
