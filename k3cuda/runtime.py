@@ -108,6 +108,8 @@ def bind(spec: KernelSpec, entry: str, grid: tuple, args: tuple, shared: int = 0
     if min(grid) < 1:
         raise ValueError(f"{spec.block}/{entry}: grid {grid} has an empty dimension")
     f = load(spec)[entry]
+    if shared > 48 * 1024:   # dynamic shared memory past 48 KB must be opted into per function before launch
+        f.set_attribute(driver().function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
     block = (e.block_threads, 1, 1)
     if os.environ.get("K3CUDA_SYNC") == "1":
         sync = driver().Context.synchronize

@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-ARCHS = ("sm_90", "sm_121")  # H100/H200 and GB10
+ARCHS = ("sm_90", "sm_100", "sm_121")  # H100/H200, B200 and GB10
 
 # PyCUDA prepare() format characters -> (size, alignment) in the packed argument buffer.
 # 'P' is a device pointer (8 bytes). Struct-style native alignment, as PyCUDA packs them.

@@ -21,8 +21,13 @@ import numpy as np
 from k3ref.cores import reference_cores
 
 from . import runtime
+from . import sanitize as emu_sanitize
 from .build import KERNEL_DIR, BuildError, cache_dir, source_closure
+from .sanitize import EMU_BF16, TOOLS, GuardedArray, SanitizerError
 from .spec import KernelSpec
+
+__all__ = ["EMULATED_LAUNCHES", "EMU_BF16", "EMU_SHIM", "TOOLS", "HostArray", "SanitizerError", "case_seed",
+           "cpu_emulation", "emulator_library", "reference_core", "to_float64"]
 
 
 def reference_core(block: str):
@@ -177,6 +182,52 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     const float r = emu::xchg[w][l ^ off]; __syncwarp();
     return r;
 }
+// Integer and 64-bit shuffles, the other shuffles, votes, atomics and dynamic shared memory (the float
+// __shfl_xor_sync above stays the one float XOR shuffles take). Masks are not checked here: the sanitized build
+// (k3cuda.sanitize) honours and checks them.
+namespace emu {
+inline uint64_t xchg64[32][32];
+alignas(256) inline unsigned char dyn_smem[232448];
+template <class T> inline T shfl_from(T v, int src) {
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+    uint64_t u = 0; std::memcpy(&u, &v, sizeof(T)); xchg64[w][l] = u; __syncwarp();
+    const uint64_t r = xchg64[w][unsigned(src) % 32]; __syncwarp();
+    T out; std::memcpy(&out, &r, sizeof(T)); return out;
+}
+}  // namespace emu
+template <class T> inline T* k3_dyn_shared() { return reinterpret_cast<T*>(emu::dyn_smem); }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m, int width = 32) {
+    const int l = threadIdx.x % 32, base = l & ~(width - 1), src = base + ((l - base) ^ m);
+    return emu::shfl_from(v, src >= base + width ? l : src);
+}
+template <class T> inline T __shfl_sync(unsigned, T v, int s, int width = 32) {
+    const int l = threadIdx.x % 32;
+    return emu::shfl_from(v, (l & ~(width - 1)) + (s & (width - 1)));
+}
+template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned d, int width = 32) {
+    const int l = threadIdx.x % 32, src = l + int(d);
+    return emu::shfl_from(v, src >= (l & ~(width - 1)) + width ? l : src);
+}
+template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d, int width = 32) {
+    const int l = threadIdx.x % 32, src = l - int(d);
+    return emu::shfl_from(v, src < (l & ~(width - 1)) ? l : src);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+    const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+    emu::xchg64[w][l] = pred ? 1 : 0; __syncwarp();
+    unsigned out = 0;
+    for (unsigned k = 0; k < emu::warp_groups[w].size; ++k) if ((mask >> k & 1u) && emu::xchg64[w][k]) out |= 1u << k;
+    __syncwarp();
+    return out;
+}
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+inline int __all_sync(unsigned mask, int pred) {
+    const unsigned n = emu::warp_groups[threadIdx.x / 32].size;
+    return __ballot_sync(mask, pred) == (mask & (n >= 32 ? 0xffffffffu : (1u << n) - 1));
+}
+template <class T> inline T atomicAdd(T* p, T v) { const T old = *p; *p = old + v; return old; }
+template <class T> inline T atomicMax(T* p, T v) { const T old = *p; *p = old > v ? old : v; return old; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline void __stcg(T* p, T v) { *p = v; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -186,18 +237,7 @@ inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 """
 
-# Stand-in for <cuda_bf16.h>: storage and the bf16 -> float conversions (exact: bf16 is float's top half).
-EMU_BF16 = r"""
-#pragma once
-#include <cstdint>
-#include <cstring>
-struct __nv_bfloat16 { uint16_t x; };
-struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
-inline float __bfloat162float(__nv_bfloat16 h) {
-    uint32_t u = uint32_t(h.x) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
-"""
+# EMU_BF16 (the stand-in for <cuda_bf16.h>) lives in k3cuda.sanitize, which builds with it too.
 
 
 def emulator_library(spec):
@@ -208,7 +248,12 @@ def emulator_library(spec):
     gxx = shutil.which("g++")
     if not gxx:
         raise BuildError("g++ not found on PATH (the CPU emulation of the kernels needs it)")
-    driver = ['#include "emu_shim.h"', f'#include "{spec.path}"']
+    closure = source_closure(spec.path)
+    # `extern __shared__` (dynamic shared memory) cannot stay `static`: such sources are built from copies with
+    # those declarations pointing at the shim's buffer (the lines unchanged); others are included as they are
+    dynamic = {Path(n).name: emu_sanitize.rewrite_shared(d.decode(), Path(n).name, extern_only=True)
+               for n, d in closure if emu_sanitize.has_extern_shared(d.decode())}
+    driver = ['#include "emu_shim.h"', f'#include "{Path(spec.path).name if dynamic else spec.path}"']
     for e in spec.entries:
         driver.append(f'extern "C" int emu_{e.name}(unsigned gx, unsigned gy, unsigned gz, unsigned nt, '
                       f'const char* buf) {{ return emu::run_grid(gx, gy, gz, nt, '
@@ -217,7 +262,7 @@ def emulator_library(spec):
     flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-Wno-attributes",
              *(f"-D{d}" for d in spec.defines)]
     h = hashlib.sha256((EMU_SHIM + EMU_BF16 + driver_src + " ".join(flags)).encode())
-    for name, data in source_closure(spec.path):
+    for name, data in closure:
         h.update(Path(name).name.encode() + b"\0" + data)
     lib = cache_dir() / "emu" / f"{spec.block}-{h.hexdigest()[:24]}.so"
     if not lib.is_file():
@@ -226,6 +271,9 @@ def emulator_library(spec):
             (Path(tmp) / "emu_shim.h").write_text(EMU_SHIM)
             (Path(tmp) / "cuda_bf16.h").write_text('#include "emu_shim.h"\n' + EMU_BF16)
             (Path(tmp) / "driver.cpp").write_text(driver_src)
+            if dynamic:   # every file of the closure beside the driver, the rewritten ones rewritten
+                for name, data in closure:
+                    (Path(tmp) / Path(name).name).write_text(dynamic.get(Path(name).name, data.decode()))
             out = Path(tmp) / "lib.so"
             cmd = [gxx, *flags, f"-I{tmp}", f"-I{KERNEL_DIR}", "-o", str(out), str(Path(tmp) / "driver.cpp")]
             run = subprocess.run(cmd, capture_output=True, text=True)
@@ -259,6 +307,12 @@ class HostArray:
         np.copyto(self.a, x)
 
 
+def _poisoned(shape: tuple, dtype) -> np.ndarray:
+    """NaN for a floating dtype, all bits set (-1) for an integer one."""
+    dtype = np.dtype(dtype)
+    return np.full(shape, np.nan, dtype) if dtype.kind == "f" else np.full(shape, -1).astype(dtype)
+
+
 # (block, entry) -> launches run by the emulation in this process: tests read it to prove that a kernel entry
 # ran (a core that quietly fell back to its reference would leave no count).
 EMULATED_LAUNCHES: collections.Counter = collections.Counter()
@@ -267,16 +321,27 @@ EMULATED_LAUNCHES: collections.Counter = collections.Counter()
 class cpu_emulation:
     """Context manager: k3cuda.runtime's buffers become HostArrays and launches run the C++ emulation.
 
+    `sanitize`: None (the plain emulation), True (every tool in k3cuda.sanitize.TOOLS) or a tuple of tool names:
+    the launches then run the checked build (k3cuda.sanitize): buffers are GuardedArrays with redzones, and a
+    launch with findings raises k3cuda.sanitize.SanitizerError listing them.
     Every emulated launch is counted in EMULATED_LAUNCHES[(block, entry)]."""
 
     SM_COUNT = 132  # what multiprocessor_count() answers (an H200's)
 
+    def __init__(self, sanitize: bool | tuple[str, ...] | None = None):
+        tools = TOOLS if sanitize is True else tuple(sanitize or ())
+        emu_sanitize.tool_mask(tools)   # ValueError for an unknown tool name, here rather than at a launch
+        self.tools = tools
+
     def __enter__(self) -> cpu_emulation:
+        if self.tools:
+            return self._enter_checked()
         libs: dict[KernelSpec, ctypes.CDLL] = {}   # keyed by the whole spec: a test may swap in a mutant source
 
         def bind(spec, entry, grid, args, shared=0):
-            if shared:
-                raise NotImplementedError("dynamic shared memory is not emulated")
+            if shared > emu_sanitize.DYN_SHARED_MAX:
+                raise ValueError(f"{spec.block}/{entry}: {shared} bytes of dynamic shared memory, the most a block "
+                                 f"can have is {emu_sanitize.DYN_SHARED_MAX}")
             e = spec.entry(entry)
             grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
             if min(grid) < 1:
@@ -296,7 +361,7 @@ class cpu_emulation:
             return run
 
         def empty_poisoned(shape, dtype=np.float32):
-            return HostArray(np.full(tuple(int(s) for s in shape), np.nan, dtype))
+            return HostArray(_poisoned(tuple(int(s) for s in shape), dtype))
 
         def poison(a):
             a.a[...] = np.nan
@@ -305,6 +370,56 @@ class cpu_emulation:
             "bind": bind,
             "launch": lambda spec, entry, grid, args, shared=0: bind(spec, entry, grid, args, shared)(),
             "to_device": lambda a, dtype=np.float32: HostArray(np.ascontiguousarray(a, dtype=dtype)),
+            "empty_poisoned": empty_poisoned,
+            "poison": poison,
+            "multiprocessor_count": lambda: self.SM_COUNT,
+        }
+        self._runtime = runtime
+        self._saved = {name: getattr(runtime, name) for name in patches}
+        for name, fn in patches.items():
+            setattr(runtime, name, fn)
+        return self
+
+    def _enter_checked(self) -> cpu_emulation:
+        libs: dict[KernelSpec, tuple] = {}
+        live: list = []        # the buffers made in this context (weakly enough: one test's worth)
+        tools = self.tools
+
+        def bind(spec, entry, grid, args, shared=0):
+            spec.entry(entry)
+            grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+            if min(grid) < 1:
+                raise ValueError(f"{spec.block}/{entry}: grid {grid} has an empty dimension")
+            if spec not in libs:
+                libs[spec] = emu_sanitize.checked_library(spec)
+            checked = libs[spec]
+
+            def run():
+                emu_sanitize.run_checked(checked, spec, entry, grid, args, live, tools, shared)
+                EMULATED_LAUNCHES[(spec.block, entry)] += 1
+
+            return run
+
+        def to_device(a, dtype=np.float32):
+            g = GuardedArray(np.ascontiguousarray(a, dtype=dtype))
+            live.append(g)
+            return g
+
+        def empty_poisoned(shape, dtype=np.float32):
+            g = GuardedArray(_poisoned(tuple(int(s) for s in shape), dtype), initialised=False)
+            live.append(g)
+            return g
+
+        def poison(a):
+            if isinstance(a, GuardedArray):
+                a.poison()
+            else:
+                a.a[...] = np.nan
+
+        patches = {
+            "bind": bind,
+            "launch": lambda spec, entry, grid, args, shared=0: bind(spec, entry, grid, args, shared)(),
+            "to_device": to_device,
             "empty_poisoned": empty_poisoned,
             "poison": poison,
             "multiprocessor_count": lambda: self.SM_COUNT,

@@ -11,11 +11,14 @@
 # 4. tools/gpu_bench.py (L2 flushed before every event pair, GB/s, ratio to a copy kernel timed in the same run,
 #    torch eager speedup). A target that a kernel's current version is known not to reach (its header says why;
 #    EXPECTED_MISSES in gpu_bench.py) is listed as XMISS and does not fail the check; any other miss does.
+# 5. compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every kernel's check cases on the GPU
+#    (tests/k3cuda/test_k3cuda_gpu.py::test_kernel_matches_reference and the launch variants); a missing
+#    compute-sanitizer is a failure (exit 6), never a skip; any error it reports fails its step.
 # Logs and gpu_bench.json go to LOG_DIR (default reports/gpu_check); a short table is printed last.
 # Every step runs even if an earlier one fails; the exit status is the first failure's: 0 only when every step
 # passed (expected misses aside); 4 when k3cuda.available() says no, since the GPU tests would then only skip;
 # gpu_bench exits 1 when nothing was timed, pytest 5 when no GPU test was collected.
-# Budget: under 8 minutes in all (each step has its own timeout).
+# Budget: under 12 minutes in all (each step has its own timeout; the four sanitizer passes at most 90 s each).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}   # rich tables stay readable in the logs
 cd "$(dirname "$0")/.."
@@ -74,6 +77,24 @@ step pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests --tb=short
 step k3conf_cuda 90 $PY -m conformance run --backend cuda
 
 step gpu_bench 200 $PY tools/gpu_bench.py --out "$LOG_DIR"
+
+# compute-sanitizer: every check case under each tool (the CPU emulation's own checks run in CI: marker sanitize)
+SANITIZER=$(command -v compute-sanitizer || true)
+if [ -z "$SANITIZER" ]; then
+    for d in /usr/local/cuda/bin /usr/local/cuda-*/bin /usr/local/cuda/compute-sanitizer; do
+        [ -x "$d/compute-sanitizer" ] && SANITIZER="$d/compute-sanitizer" && break
+    done
+fi
+if [ -z "$SANITIZER" ]; then
+    echo "!! compute-sanitizer not found (PATH, /usr/local/cuda*/bin): the GPU sanitizer steps cannot run"
+    [ "$status" -eq 0 ] && status=6
+else
+    for tool in memcheck racecheck synccheck initcheck; do
+        step "sanitizer_$tool" 90 "$SANITIZER" --tool "$tool" --error-exitcode 7 --target-processes all \
+            --print-limit 20 $PY -m pytest -q -m gpu -p no:cacheprovider tests/k3cuda/test_k3cuda_gpu.py \
+            -k "test_kernel_matches_reference or test_variant_matches_reference" --tb=short
+    done
+fi
 
 note "done, exit $status"
 exit "$status"
