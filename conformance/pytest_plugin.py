@@ -16,6 +16,10 @@ n/a) fails the session.
 """
 from __future__ import annotations
 
+# conformance.cases.protocol.CONFIGS, written out: this module loads in every pytest run and imports nothing heavy
+# (tests/conformance checks the two agree)
+_SHAPE_SETS = ("tiny", "small", "k3", "k3-tp8")
+
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("k3conf", "K3 conformance cases on a kernel backend (k3-conformance)")
@@ -24,7 +28,8 @@ def pytest_addoption(parser) -> None:
                          "from `k3conf list backends`")
     group.addoption("--k3conf-cases", action="append", metavar="GLOB", default=None,
                     help="only cases matching this glob (repeatable), e.g. 'kda_*'")
-    group.addoption("--k3conf-config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
+    group.addoption("--k3conf-config", choices=_SHAPE_SETS, default="tiny",
+                    help="case set (default tiny; the others come from `k3conf regen --shapes NAME`)")
     group.addoption("--k3conf-golden", metavar="DIR", default=None,
                     help="golden directory (default: the package's goldens for tiny, the cache for small)")
     group.addoption("--k3conf-timing", action="store_true",

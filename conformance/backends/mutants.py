@@ -2,7 +2,9 @@
 runner catches each mistake and names its block first; `k3conf run --backend mutant:<name>` runs one.
 
 MUTANTS is the table, built here from data: the gross mistakes on numpy64, a one-percent error on each bf16
-kernel core (on torch-bf16) and the model traces' wrong AttnRes block boundary.
+kernel core (on torch-bf16), the model traces' wrong AttnRes block boundary, and the mistakes only K3's real
+sizes show (on numpy32, an fp32 kernel's precision): they pass every toy golden and fail the k3 shape sets
+(tests/conformance/test_shapes_mutants.py).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class Mutant:
     description: str
     make: Callable[[Cores], Cores]
     base: str = "numpy64"
+    shows_on: str = "tiny"   # the smallest case set whose goldens catch it (conformance.cases.protocol.CONFIGS)
 
 
 @dataclasses.dataclass
@@ -110,6 +113,47 @@ def _mxfp4_nibbles_swapped(base: Cores) -> Cores:
     return base.replace(mxfp4_gemv=gemv)
 
 
+def _kda_decode_v_batch0(base: Cores) -> Cores:
+    """kda_decode reading sequence 0's v for every sequence (v at head h instead of b*H + h): right at B = 1."""
+    def decode(q, k, v, *args, **kw):
+        v = np.asarray(v)
+        return base.kda_decode(q, k, np.broadcast_to(v[:1], v.shape).copy(), *args, **kw)
+
+    return base.replace(kda_decode=decode)
+
+
+# split-KV of a fixed number of cache rows per split: every toy context (<= 700 rows) is one split
+MLA_SPLIT_ROWS = 1024
+
+
+def _mla_combine_drops_last_split(base: Cores) -> Cores:
+    """mla_decode whose combine merges splits 0 .. n-2 of a sequence's n splits of MLA_SPLIT_ROWS rows: a sequence
+    longer than one split attends to the rows before its last split only."""
+    def decode(q_abs, kv_cache, block_table, seq_lens, **kw):
+        lens = np.asarray(seq_lens)
+        splits = -(-lens // MLA_SPLIT_ROWS)
+        kept = np.where(splits > 1, (splits - 1) * MLA_SPLIT_ROWS, lens).astype(lens.dtype)
+        return base.mla_decode(q_abs, kv_cache, block_table, kept, **kw)
+
+    return base.replace(mla_decode=decode)
+
+
+# steps of the cumulative decay a prefill keeps: every toy prefill (<= 257 tokens) is shorter
+KDA_DECAY_STEPS = 1024
+
+
+def _kda_prefill_decay_stops(base: Cores) -> Cores:
+    """kda_prefill whose cumulative state decay is kept for KDA_DECAY_STEPS steps: from then on the state is not
+    decayed (g = 0), as when a decay product over the whole sequence has underflowed and is guarded to 1."""
+    def prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *, lower_bound=-5.0, scale=None):
+        g = kda.kda_gate(g_raw, A_log, dt_bias, lower_bound)
+        g[:, KDA_DECAY_STEPS:] = 0.0
+        return kda.kda_chunked(q, k, v, g, ops.sigmoid(beta_raw), scale=scale, initial_state=state,
+                               use_qk_l2norm=True)
+
+    return base.replace(kda_prefill=prefill)
+
+
 def _scaled_by_one_percent(core: str) -> Callable[[Cores], Cores]:
     """`core`'s floating outputs times (1 +- 1%), the sign drawn per element: 1% relative RMS error, about 3x
     what bf16 rounding costs a core (torch-bf16 measures 2e-3 .. 6e-3 on the tiny cases)."""
@@ -154,6 +198,14 @@ MUTANTS: dict[str, Mutant] = {
     "attnres-boundary-off-by-one": Mutant("attnres_mix",
                                           "AttnRes blocks close one layer late (at 0, then l % block_size == 1)",
                                           _attnres_boundary_off_by_one),
+    "kda-decode-v-batch0": Mutant("kda_decode", "KDA decode reads sequence 0's v for every sequence",
+                                  _kda_decode_v_batch0),
+    "mla-combine-drops-last-split": Mutant(
+        "mla_decode", f"MLA split-KV combine drops the last of a sequence's splits of {MLA_SPLIT_ROWS} rows",
+        _mla_combine_drops_last_split, base="numpy32", shows_on="k3-tp8"),
+    "kda-prefill-decay-stops": Mutant(
+        "kda_prefill", f"KDA prefill stops decaying the state after {KDA_DECAY_STEPS} steps (decay underflow "
+        "guarded to 1)", _kda_prefill_decay_stops, base="numpy32", shows_on="k3-tp8"),
 }
 
 

@@ -1,8 +1,8 @@
 """What a case is and what a kind of case must answer: the one interface the runner and the regeneration tool use.
 
 A *case* is one golden file: a name `<block>/<id>` (e.g. `kda_decode/B2-H3-K16`), a config (`tiny` is
-committed, `small` is generated into a cache), a seed, and the *kind* that knows how to build its data,
-compute its float64 golden and run a backend on it. A kind satisfies `CaseKind`; subclassing `KindBase`
+committed; `small`, `k3` and `k3-tp8` are generated into a cache), a seed, and the *kind* that knows how to build
+its data, compute its float64 golden and run a backend on it. A kind satisfies `CaseKind`; subclassing `KindBase`
 supplies the optional answers (every core exercised, every tensor gated, gate rows looked up by the tensor's
 own name), so callers ask every kind the same questions without probing for methods.
 """
@@ -17,7 +17,8 @@ import numpy as np
 from k3ref.cores import CORE_NAMES
 
 GENERATOR_VERSION = "k3conf-cases/1"   # bump when the data or the way a golden is computed changes
-CONFIGS = ("tiny", "small")
+# the case sets: tiny (committed), small, and K3's real block sizes (k3; k3-tp8 = one rank of tensor parallelism 8)
+CONFIGS = ("tiny", "small", "k3", "k3-tp8")
 
 
 @dataclasses.dataclass(frozen=True)

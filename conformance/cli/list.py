@@ -4,7 +4,8 @@ from __future__ import annotations
 from conformance.backends.protocol import ALL_CORES
 from conformance.backends.registry import MUTANTS, availability, get_backend
 from conformance.cases.catalog import all_cases
-from conformance.cli.usage import UsageError
+from conformance.cases.protocol import CONFIGS
+from conformance.cli.usage import UsageError, check_cuda_env
 from conformance.judge.gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
 
 SECTIONS = ("cases", "backends", "mutants", "gates")
@@ -15,11 +16,12 @@ def register(sub) -> None:
     # no `choices=`: Python 3.11's argparse checks the empty default of nargs="*" against them and rejects a
     # plain `k3conf list`; the sections are checked in run()
     p.add_argument("what", nargs="*", metavar="{" + ",".join(SECTIONS) + "}", help="sections to show (default: all)")
-    p.add_argument("--config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
+    p.add_argument("--config", choices=CONFIGS, default="tiny", help="case set (default tiny)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    check_cuda_env()
     unknown = [w for w in args.what if w not in SECTIONS]
     if unknown:
         raise UsageError(f"unknown section(s) {unknown}; expected any of {list(SECTIONS)}")

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from conformance.cases.catalog import all_cases
+from conformance.cli.run import add_shape_options
 from conformance.cli.usage import UsageError
 from conformance.golden.regen import regenerate
-from conformance.golden.store import default_root
+from conformance.golden.store import COMMITTED_ROOT, default_root
 from conformance.session import pick_cases
 
 
@@ -19,8 +20,7 @@ def register(sub) -> None:
     p.add_argument("--cases", action="extend", nargs="+", metavar="GLOB", help="case-name globs (default: all)")
     p.add_argument("--check", action="store_true", help="recompute and compare; write nothing; exit 1 on drift")
     p.add_argument("--accept", action="store_true", help="overwrite goldens whose content changed")
-    p.add_argument("--config", choices=("tiny", "small"), default="tiny",
-                   help="tiny goes to golden/ (committed); small to $K3CONF_CACHE or ~/.cache/k3conf")
+    add_shape_options(p)   # tiny goes to golden/ (committed), the other sets to $K3CONF_CACHE or ~/.cache/k3conf
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="golden directory to write")
     p.set_defaults(func=run)
 
@@ -41,6 +41,9 @@ def run(args) -> int:
         raise UsageError("--check writes nothing; it cannot be combined with --accept")
     cases = pick_cases(args.config, args.cases)
     root = args.out or default_root(args.config)
+    if args.config != "tiny" and _inside(root, COMMITTED_ROOT):
+        raise UsageError(f"--out {root}: the committed golden/ holds the tiny set only; the {args.config} goldens go "
+                         f"to the cache ({default_root(args.config)}) or another --out DIR")
     try:
         if root.exists() and not root.is_dir():
             raise UsageError(f"--out {root}: is a file, expected a golden directory (or a path to create one at)")
@@ -72,9 +75,17 @@ def run(args) -> int:
     return 1 if bad else 0
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    """True when `path` is `folder` or lies under it (symbolic links resolved)."""
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
 def _fixes(bad, args) -> list[str]:
     """The commands that make a failed --check pass: re-list or rewrite exactly the cases named."""
-    out_opt = (f" --config {args.config}" if args.config != "tiny" else "") + (f" --out {args.out}" if args.out else "")
+    out_opt = (f" --shapes {args.config}" if args.config != "tiny" else "") + (f" --out {args.out}" if args.out else "")
     relist = [o.case for o in bad if o.status == "drift" and all(d.name == "MANIFEST.json" for d in o.drift)
               or o.status == "missing"]
     rewrite = [o.case for o in bad if o.status == "drift" and o.case not in relist]

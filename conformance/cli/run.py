@@ -9,12 +9,14 @@ from rich.console import Console
 from rich.progress import Progress
 
 from conformance import report as rep
+from conformance.cases.protocol import CONFIGS
+from conformance.cli.usage import check_cuda_env
 from conformance.isolation.client import DEFAULT_TIMEOUT
 from conformance.runner import run as run_cases
 from conformance.session import check_backends, check_report_dir, golden_root, pick_cases
 from conformance.tp.cli import run_tp_command
 
-__all__ = ["add_tp_options", "register", "run", "seconds"]
+__all__ = ["add_shape_options", "add_tp_options", "register", "run", "seconds"]
 
 
 def seconds(text: str) -> float:
@@ -35,13 +37,13 @@ def register(sub) -> None:
                    help="backends to run (default: every available one; see `k3conf list`), e.g. numpy32 "
                         "mutant:mla-scale-128, or MODULE:ATTR / ./file.py:ATTR for a backend defined outside "
                         "the package (docs/external_backends.md)")
-    p.add_argument("--config", choices=("tiny", "small"), default="tiny", help="case set (default tiny)")
+    add_shape_options(p)
     p.add_argument("--cases", action="extend", nargs="+", metavar="GLOB",
                    help="case-name globs, e.g. 'kda_*' or kda_decode (a block name selects its cases)")
     p.add_argument("--report", type=Path, default=Path("reports"), metavar="DIR",
                    help="write report.json, report.md, report.html here (default reports/)")
     p.add_argument("--golden", type=Path, default=None, metavar="DIR",
-                   help="golden directory (default golden/ for tiny, the cache for small)")
+                   help="golden directory (default golden/ for tiny, the cache for the other case sets)")
     p.add_argument("--no-timing", action="store_true", help="skip the speed measurements")
     p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="how long a backend's core may run (in its worker process) before the case is an error "
@@ -51,6 +53,14 @@ def register(sub) -> None:
                    help="with --tp: a deliberately wrong TP plan (g_proj-row-split, q_proj-neighbour-heads), to "
                         "see a bad split caught")
     p.set_defaults(func=run)
+
+
+def add_shape_options(p) -> None:
+    """--config / --shapes (one option, two names; shared by run and regen): the case set."""
+    p.add_argument("--config", "--shapes", dest="config", choices=CONFIGS, default="tiny", metavar="SET",
+                   help="case set: tiny (committed goldens, the default), small, k3 (K3's block sizes: KDA and MLA "
+                        "at 96 heads, hidden 7168, 896 experts) or k3-tp8 (one rank's share at tensor parallelism "
+                        "8: 12 heads); all but tiny are generated into the cache by `k3conf regen --shapes SET`")
 
 
 def add_tp_options(p) -> None:
@@ -64,6 +74,7 @@ def add_tp_options(p) -> None:
 
 
 def run(args) -> int:
+    check_cuda_env()
     if args.tp != 1:
         return run_tp_command(args)
     cases = pick_cases(args.config, args.cases)

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from conformance.cases.catalog import all_cases
+from conformance.cases.protocol import CONFIGS
 from conformance.cli.usage import UsageError
 from conformance.golden.errors import GoldenError
 from conformance.golden.store import GROUPS, default_root, read_golden
@@ -14,7 +15,7 @@ from conformance.golden.store import GROUPS, default_root, read_golden
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a golden's tensors with shapes, dtypes and statistics")
     p.add_argument("case", help="case name, e.g. kda_decode/B2-H3-K16")
-    p.add_argument("--config", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--config", choices=CONFIGS, default="tiny")
     p.add_argument("--golden", type=Path, default=None, metavar="DIR", help="golden directory")
     p.set_defaults(func=run)
 
