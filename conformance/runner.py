@@ -7,7 +7,9 @@ command; the run goes on). Per backend the case's kind runs it, each golden outp
 (conformance.judge.compare) and judged by its gate row (conformance.judge.gates). Low-precision rows need the error of
 the same-precision baseline (fp32: numpy32, bf16: torch-bf16) on the same tensor, so the baseline is run
 on the case too (cached) even when it was not asked for; when it cannot run, the cap alone applies and the
-row says so. The baseline itself is judged by its absolute row (gates.BASELINE_GATES), never by itself.
+row says so. The baseline itself is judged by its absolute row (gates.BASELINE_GATES), never by itself. Each case
+is gated by the caps measured on its own shape set (its config); on a set with none measured, no cap applies
+(conformance.judge.gates).
 Speed: each (case, backend) with a timer gets bytes/s over the copy bandwidth measured in the same run and
 its time over the baseline backend's time.
 
@@ -82,7 +84,7 @@ def fresh_seed() -> int:
 class Runner:
     """Holds the per-run caches: goldens, baseline errors and timings."""
 
-    capped = True   # the gate rows' caps apply (they were measured on these goldens)
+    capped = True   # the gate rows' caps apply where measured (on the goldens of the case's shape set)
 
     def __init__(self, root: Path, config: str, timing: bool, *, timeout: float = DEFAULT_TIMEOUT,
                  seed: int | None = None, in_process: frozenset[str] = IN_PROCESS, pool: WorkerPool | None = None):
@@ -301,25 +303,31 @@ class Runner:
         kind = kind_of(case)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
         relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
+        # a case is gated by the caps measured on its own shape set; on a set without them no cap applies
+        family = "traces" if case.kind == "trace" else "blocks"
+        measured_here = gates.caps_measured(case.config, family)
+        why = gates.FRESH if not self.capped else gates.no_cap_measured(case.config, family)
         results = []
         # name order = compute order (traces number their tensors so), whatever order the file lists them in
         for tensor, ref in sorted(golden.group("outputs").items()):
             block = kind.block_of(case, tensor)
             gate_name = kind.gate_tensor(case, tensor)   # the name its gate rows are looked up by
             if is_baseline:
-                key, gate = gates.baseline_gate_for(block, gate_name, backend.precision)
+                key, gate = gates.baseline_gate_for(block, gate_name, backend.precision, case.config)
             else:
-                key, gate = gates.gate_for(block, gate_name, backend.precision)
+                key, gate = gates.gate_for(block, gate_name, backend.precision, case.config)
             if tensor in outs:
                 cmp = compare(outs[tensor], ref, gate.atol, gate.rtol)
             else:
                 cmp = Comparison(ref.shape, str(ref.dtype), problem=f"missing: the backend returned {sorted(outs)}")
             b_err = None if base_errs is None or not relative else base_errs.get(tensor)
-            if b_err is not None and kind.is_gated(case, tensor):
-                # a baseline over its own cap on a gated tensor has failed there: it sets no bound (gates.judge)
-                own = gates.baseline_gate_for(block, gate_name, backend.precision)[1].cap
+            if b_err is not None and kind.is_gated(case, tensor) and self.capped:
+                # a baseline over its own cap on a gated tensor has failed there: it sets no bound (gates.judge);
+                # on fresh inputs its caps, measured on the goldens, say nothing
+                own = gates.baseline_gate_for(block, gate_name, backend.precision, case.config)[1].cap
                 b_err = dataclasses.replace(b_err, own_cap=own)
-            verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline, capped=self.capped)
+            verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline,
+                                  capped=self.capped and measured_here, uncapped_why=why)
             results.append(TensorResult(tensor, block, cmp, key, gate, verdict,
                                         base_name if relative else None, None if b_err is None else b_err.rel_rms,
                                         layer_of(tensor), kind.is_gated(case, tensor),

@@ -141,7 +141,9 @@ def _check_cores(backend: BackendBase, name: str, timeout: float) -> None:
 def _gate_tables() -> tuple:
     """The gate tables where they are built and where the verdicts read them."""
     return (gate_table.GATES, gate_table.BASELINE_GATES, gate_table.MARGIN_BUDGETS, gate_table.SPEED_TARGETS,
-            gates.GATES, gates.BASELINE_GATES, gates.MARGIN_BUDGETS, gates.SPEED_TARGETS)
+            gate_table.MEASURED, gate_table.ELEMENT_RULES, gate_table.ELEMENT_RULES_BY_SET,
+            gates.GATES, gates.BASELINE_GATES, gates.MARGIN_BUDGETS, gates.SPEED_TARGETS, gates.MEASURED,
+            gates.ELEMENT_RULES)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,14 @@
-"""One row of the gate table and the rule that turns a baseline's measured error into its own absolute row.
+"""One row of the gate table, the rule that turns a baseline's measured error into its own absolute row, and how a
+row is found for a tensor of a shape set.
 
-Kept apart from the table (conformance.judge.gate_table) and from the look-up and verdicts
-(conformance.judge.gates), which both build on it.
+Kept apart from the table (conformance.judge.gate_table) and from the verdicts (conformance.judge.gates), which
+both build on it.
 """
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+from collections.abc import Mapping
 
 PRECISIONS = ("fp64", "fp32", "bf16")
 BASELINE = {"fp32": "numpy32", "bf16": "torch-bf16"}
@@ -28,12 +31,55 @@ class Gate:
     elem_why: str = ""              # the measurement behind elem_k and elem_floor
 
 
-def baseline_row(precision: str, measured: float, where: str) -> Gate:
+def baseline_row(precision: str, measured: float, where: str, shape_set: str) -> Gate:
     """The absolute row that gates the baseline backend of `precision` itself: cap = BASELINE_FACTOR x
-    `measured`, its worst relative RMS error (on `where`, the case that set it)."""
+    `measured`, its worst relative RMS error on the cases of `shape_set` (on `where`, the case that set it)."""
     if precision not in BASELINE:
         raise ValueError(f"precision: expected one of {sorted(BASELINE)}, found {precision!r}")
     if not measured > 0:
         raise ValueError(f"measured: expected the baseline's positive worst error, found {measured!r}")
-    reason = f"{BASELINE[precision]} measured {measured:.3g} worst ({where}); cap {BASELINE_FACTOR:g}x that"
+    if not shape_set or ":" in shape_set:
+        raise ValueError(f"shape_set: expected the name of the shape set measured on (tiny, small, ...), "
+                         f"found {shape_set!r}")
+    reason = (f"{BASELINE[precision]} measured {measured:.3g} worst on {shape_set} ({where}); "
+              f"cap {BASELINE_FACTOR:g}x that")
     return Gate(BASELINE_FACTOR * measured, None, 0.0, 0.0, 0.0, reason)
+
+
+def qualified(shape_set: str, tensor: str) -> str:
+    """The tensor name (or pattern) of a row measured on `shape_set`: '<set>:<tensor>'. A case of that set looks its
+    rows up by this name first, so it finds its own set's measured rows and never another set's."""
+    return f"{shape_set}:{tensor}"
+
+
+def _literal_start(pattern: str) -> int:
+    """How many characters of `pattern` come before its first wildcard."""
+    return min((i for i, ch in enumerate(pattern) if ch in "*?["), default=len(pattern))
+
+
+def lookup(table: Mapping, block: str, tensor: str, precision: str,
+           shape_set: str | None = None) -> tuple[tuple[str, str, str] | None, Gate | None]:
+    """The row of `table` that applies to (block, tensor, precision) on `shape_set`, and its key; (None, None)
+    when none does.
+
+    The names tried: '<set>:<tensor>' (the rows measured on that set) and the bare tensor (rows for every set);
+    shape_set None: the bare tensor only. First an exact key, then tensor patterns matching either name (e.g. the
+    traces' '<set>:<model>/<mode>/step*'), most specific first: the longest literal start (a set's own rows, then
+    a model's own, before shared ones), then the longest pattern; then (block, "*"), then the set's default
+    ("*", "<set>:*"), then ("*", "*")."""
+    names = [tensor] if shape_set is None else [qualified(shape_set, tensor), tensor]
+    for name in names:
+        if (block, name, precision) in table:
+            return (block, name, precision), table[(block, name, precision)]
+    patterns = sorted((k for k in table if k[0] == block and k[2] == precision and k[1] != "*"
+                       and any(ch in k[1] for ch in "*?[") and any(fnmatch.fnmatchcase(n, k[1]) for n in names)),
+                      key=lambda k: (-_literal_start(k[1]), -len(k[1])))
+    if patterns:
+        return patterns[0], table[patterns[0]]
+    fallbacks = [(block, "*", precision), ("*", "*", precision)]
+    if shape_set is not None:   # a set's own default row, below the block's row for every set
+        fallbacks.insert(1, ("*", qualified(shape_set, "*"), precision))
+    for key in fallbacks:
+        if key in table:
+            return key, table[key]
+    return None, None

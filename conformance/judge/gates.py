@@ -22,27 +22,44 @@ same run; time_ratio = time over the baseline backend's time for the same case. 
 unless SPEED_TARGETS gives a target; a backend may bring its own (speed_target); the cuda kernels' bandwidth
 targets are gated by tools/gpu_bench.py at sizes that fill the GPU, not on the toy-sized goldens.
 
-Look-up falls back from (block, tensor, precision) to rows of that block whose tensor is a glob pattern
-matching the tensor (the longest literal start, then the longest pattern, first), to (block, "*", precision),
-to ("*", "*", precision).
+Shape sets: a cap holds on the shapes it was measured on. A case of shape set X (its `config`: tiny, small, k3,
+...) is gated by the rows measured on X ('<X>:<tensor>' keys) and the rows written by hand, never by another set's
+measurements. On a set with no measurement of the case's family (gate_table.MEASURED: block cases or traces) no
+cap applies to a backend judged against its baseline: the bound is k x the baseline's error + floor alone (as on
+fresh inputs), and the rule says "no cap measured on X". The baseline itself is held there to its block's hand
+cap, a sanity bound and not a measurement (the rule says so), so a baseline gone wrong still fails and then
+sets nobody's bound.
+
+Look-up (gate_row.lookup) tries '<set>:<tensor>' and the bare tensor: an exact key, then rows of that block whose
+tensor is a glob pattern matching either name (the longest literal start, then the longest pattern, first), then
+(block, "*", precision), then the set's default ("*", "<set>:*", precision), then ("*", "*", precision).
 The rows themselves, the near-tie budgets and the speed targets are built in conformance.judge.gate_table.
 """
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-from collections.abc import Mapping
 
 import numpy as np
 
 from conformance.judge.compare import Comparison
-from conformance.judge.gate_row import BASELINE, PRECISIONS, Gate
-from conformance.judge.gate_table import BASELINE_GATES, GATES, MARGIN_BUDGETS, SPEED_TARGETS
+from conformance.judge.gate_row import BASELINE, PRECISIONS, Gate, lookup
+from conformance.judge.gate_table import (
+    BASELINE_GATES,
+    ELEMENT_RULES,
+    GATES,
+    MARGIN_BUDGETS,
+    MEASURED,
+    SPEED_TARGETS,
+    element_rule,
+)
 
 # the names other modules read here: the row type and the tables it is looked up in
-__all__ = ["BASELINE", "BASELINE_GATES", "GATES", "MARGIN_BUDGETS", "PRECISIONS", "SPEED_TARGETS", "BaselineError",
-           "Gate", "SpeedResult", "Verdict", "baseline_gate_for", "gate_for", "judge", "judge_speed", "margin_budgets",
-           "near_tie_route"]
+__all__ = ["BASELINE", "BASELINE_GATES", "FRESH", "GATES", "MARGIN_BUDGETS", "MEASURED", "PRECISIONS",
+           "SPEED_TARGETS", "BaselineError", "Gate", "SpeedResult", "Verdict", "baseline_gate_for", "caps_measured",
+           "gate_for", "judge", "judge_speed", "lookup", "margin_budgets", "near_tie_route", "no_cap_measured"]
+
+# why no cap applies on fresh inputs (judge, capped=False)
+FRESH = "fresh inputs: the caps were measured on the goldens"
 
 
 def near_tie_route(inter, where: str, budget: float):
@@ -64,46 +81,47 @@ def margin_budgets(precision: str) -> dict[str, float]:
     return {choice: budget for choice, (budget, _) in MARGIN_BUDGETS.get(precision, {}).items()}
 
 
-def _literal_start(pattern: str) -> int:
-    """How many characters of `pattern` come before its first wildcard."""
-    return min((i for i, ch in enumerate(pattern) if ch in "*?["), default=len(pattern))
+def caps_measured(shape_set: str, family: str) -> bool:
+    """Whether the caps of `family` ('blocks': per-block and latent_moe cases, 'traces') were measured on
+    `shape_set`; where not, no cap applies (no_cap_measured says why)."""
+    if family not in ("blocks", "traces"):
+        raise ValueError(f"family: expected 'blocks' or 'traces', found {family!r}")
+    return family in MEASURED.get(shape_set, frozenset())
 
 
-def _lookup(table: Mapping, block: str, tensor: str, precision: str):
-    if (block, tensor, precision) in table:
-        return (block, tensor, precision), table[(block, tensor, precision)]
-    # tensor patterns (e.g. the model traces' '<model>/<mode>/step*'), most specific first: the longest literal
-    # start (a model's own rows before the shared '*/...' ones), then the longest pattern
-    patterns = sorted((k for k in table if k[0] == block and k[2] == precision and k[1] != "*"
-                       and any(ch in k[1] for ch in "*?[") and fnmatch.fnmatchcase(tensor, k[1])),
-                      key=lambda k: (-_literal_start(k[1]), -len(k[1])))
-    if patterns:
-        return patterns[0], table[patterns[0]]
-    for key in ((block, "*", precision), ("*", "*", precision)):
-        if key in table:
-            return key, table[key]
-    return None, None
+def no_cap_measured(shape_set: str, family: str) -> str:
+    """Why a case of `shape_set` is judged with no cap: none was measured there (written into its rule)."""
+    return (f"no cap measured on {shape_set} (its {family} have no measurement in conformance/judge/measured.py; "
+            f"measure them with `k3conf run --config {shape_set} --no-timing`)")
 
 
-def gate_for(block: str, tensor: str, precision: str) -> tuple[tuple[str, str, str], Gate]:
-    """The row that applies to (block, tensor, precision) and its key (most specific first)."""
+def gate_for(block: str, tensor: str, precision: str,
+             shape_set: str | None = None) -> tuple[tuple[str, str, str], Gate]:
+    """The row that applies to (block, tensor, precision) of a case of `shape_set` and its key (most specific
+    first). shape_set None: the rows written by hand alone (the kernels' own tests, which have no shape set)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, found {precision!r}")
-    key, gate = _lookup(GATES, block, tensor, precision)
-    if gate is None:
+    key, gate = lookup(GATES, block, tensor, precision, shape_set)
+    if gate is None or key is None:
         raise KeyError(f"no gate row for {(block, tensor, precision)}")  # unreachable: defaults exist
+    shared, own = ELEMENT_RULES.get(precision), element_rule(precision, shape_set)
+    if own is not None and own != shared and (gate.elem_k, gate.elem_floor, gate.elem_why) == shared:
+        # the set's own per-element rule, where the shared one does not hold there
+        gate = dataclasses.replace(gate, elem_k=own[0], elem_floor=own[1], elem_why=own[2])
     return key, gate
 
 
-def baseline_gate_for(block: str, tensor: str, precision: str) -> tuple[tuple[str, str, str], Gate]:
-    """The absolute row for the baseline backend itself. Where no measurement was written down (a new
-    block), the block's own cap applies and the reason says that it is not a measured one."""
-    key, gate = _lookup(BASELINE_GATES, block, tensor, precision)
-    if gate is not None:
+def baseline_gate_for(block: str, tensor: str, precision: str,
+                      shape_set: str) -> tuple[tuple[str, str, str], Gate]:
+    """The absolute row for the baseline backend itself on a case of `shape_set`: the one measured on that set.
+    Where none was (a new block, or a set not measured), the block's own hand cap applies as a sanity bound and
+    the reason says that it is not a measurement."""
+    key, gate = lookup(BASELINE_GATES, block, tensor, precision, shape_set)
+    if gate is not None and key is not None:
         return key, gate
-    key, gate = gate_for(block, tensor, precision)
-    return key, dataclasses.replace(gate, k=None, reason=f"no measured baseline row: the cap of {key} "
-                                                         f"({gate.reason})")
+    key, gate = gate_for(block, tensor, precision, shape_set)
+    return key, dataclasses.replace(gate, k=None, reason=f"no baseline row measured on {shape_set}: the hand cap of "
+                                                         f"{key}, a sanity bound ({gate.reason})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +148,7 @@ class BaselineError:
 
 
 def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | BaselineError | None,
-          as_baseline: bool = False, capped: bool = True) -> Verdict:
+          as_baseline: bool = False, capped: bool = True, uncapped_why: str = FRESH) -> Verdict:
     """Apply one gate row to one comparison.
 
     baseline_err: what the same-precision baseline measured on this tensor (a BaselineError, or its relative
@@ -141,7 +159,9 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
     baseline ran on the same inputs, the bound is k x its error + floor alone (the baseline on 40 fresh draws
     went past the caps: torch-bf16 6.6e-2 on mxfp4_gemv/N1-K32 against the row's 2e-2, numpy32 2.7e-6 on
     mla_decode/B1-H2-R512-P64-L70 against its own 1.26e-6), so a kernel as good as the baseline never fails on an
-    unlucky draw, while one that answers other inputs, zeros or its first answer errs O(1).
+    unlucky draw, while one that answers other inputs, zeros or its first answer errs O(1). The same rule judges a
+    case of a shape set with no measurement (uncapped_why: no_cap_measured); there a baseline over its own row (the
+    hand cap, as a sanity bound; fresh inputs set no own_cap) sets no bound, and the cap alone applies.
     Below fp64 a tensor must pass two rules: the relative RMS one and, where the baseline's worst element error
     is known, the per-element one (worst element error <= gate.elem_k x the baseline's + gate.elem_floor).
     """
@@ -162,10 +182,9 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
     elif base is None:
         bound = gate.cap
         rule = f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} unavailable: cap only)"
-    elif not capped:
+    elif not capped and not base.failed_own_row:
         bound = gate.k * base.rel_rms + gate.floor
-        rule = (f"rel RMS <= {gate.k:g} x baseline {base.rel_rms:.3g} + {gate.floor:.3g} = {bound:.3g} "
-                "(fresh inputs: the caps were measured on the goldens)")
+        rule = f"rel RMS <= {gate.k:g} x baseline {base.rel_rms:.3g} + {gate.floor:.3g} = {bound:.3g} ({uncapped_why})"
         worst = _worst_element_failure(cmp, gate, base, precision)
         if worst and cmp.rel_rms <= bound:
             return Verdict(False, bound, f"{worst}; {rule}")

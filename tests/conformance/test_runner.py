@@ -144,8 +144,8 @@ def test_the_baseline_is_gated_by_its_measured_cap_not_by_itself(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     (r,) = data["results"]
     (t,) = r["tensors"]
-    assert r["role"] == "baseline" and t["gate"]["key"] == ["rmsnorm", "y", "fp32"]
-    assert t["bound"] == gates.BASELINE_GATES[("rmsnorm", "y", "fp32")].cap
+    assert r["role"] == "baseline" and t["gate"]["key"] == ["rmsnorm", "tiny:y", "fp32"]   # measured on tiny
+    assert t["bound"] == gates.BASELINE_GATES[("rmsnorm", "tiny:y", "fp32")].cap
     assert "the fp32 baseline itself" in t["rule"] and "numpy32 measured" in t["rule"]
     assert f"baseline {t['comparison']['rel_rms']:.0e}" in (tmp_path / "report.html").read_text()
 
@@ -328,7 +328,8 @@ def test_plain_list_shows_everything_incl_the_trace_rows_and_mutant():
     assert all(f"{s} (" in p.stdout or f"{s}:" in p.stdout for s in ("cases", "backends", "mutants", "gates"))
     p = subprocess.run([sys.executable, "-m", "conformance", "list", "gates", "mutants"], capture_output=True,
                        text=True, cwd=root, timeout=60)
-    assert "(attnres_mix, */layerwise/step*, fp32)" in p.stdout and "mutant:attnres-boundary-off-by-one" in p.stdout
+    assert "(attnres_mix, tiny:*/layerwise/step*, fp32)" in p.stdout
+    assert "mutant:attnres-boundary-off-by-one" in p.stdout
 
 
 @pytest.mark.parametrize("patterns, expected", [

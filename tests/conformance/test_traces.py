@@ -188,14 +188,15 @@ def test_cuda_emu_trace_names_every_core_that_ran_the_reference():
 def test_a_model_config_with_its_own_measurements_gets_its_own_rows(monkeypatch):
     """Rows '<model>/step*' win over the shared '*/step*' ones: a (deliberately tiny) measurement for `tiny`
     makes the numpy32 baseline fail there, by the new row."""
-    rows, baseline_rows = gate_table.trace_rows("tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))}, "a test")
+    rows, baseline_rows = gate_table.trace_rows("tiny", "tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))},
+                                                "a test")
     monkeypatch.setattr(gates, "GATES", {**gates.GATES, **rows})
     monkeypatch.setattr(gates, "BASELINE_GATES", {**gates.BASELINE_GATES, **baseline_rows})
     report = run(select(all_cases("tiny"), ["trace/free-*"]), ["numpy32"], COMMITTED_ROOT, timing=False)
     (r,) = report.results
     assert r.status == "fail" and r.first_failing.tensor.endswith(".logits")
-    assert tuple(r.first_failing.gate_key) == ("lm_head", "tiny/*/step*", "fp32")
-    assert "measured 1e-09 worst (a test test)" in r.first_failing.verdict.why
+    assert tuple(r.first_failing.gate_key) == ("lm_head", "tiny:tiny/*/step*", "fp32")
+    assert "measured 1e-09 worst on tiny (a test test)" in r.first_failing.verdict.why
 
 
 @pytest.mark.parametrize("name, parsed", [

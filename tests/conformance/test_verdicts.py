@@ -125,7 +125,7 @@ def test_a_baseline_over_its_own_cap_leaves_the_cap_alone():
 
 def test_a_baseline_1e6_times_off_its_row_sets_nobodys_bound(monkeypatch, extra_backend):
     (case,) = _one_case(D512)
-    cap = gates.baseline_gate_for("rmsnorm", "y", "fp32")[1].cap
+    cap = gates.baseline_gate_for("rmsnorm", "y", "fp32", "tiny")[1].cap
     off = 1 + 1e6 * cap
 
     def broken(base):
@@ -196,25 +196,26 @@ def test_the_logits_caps_are_measured_on_the_mode_they_gate(mode, model):
     (fp32, at32), (bf16, at16) = gate_table.measured.TRACE_LOGITS[mode]
     assert mode in at32 and mode in at16
     tensor = f"{model}/{mode}/step0.logits"
-    key, own32 = gates.baseline_gate_for("lm_head", tensor, "fp32")
-    assert key == ("lm_head", f"*/{mode}/step*", "fp32") and own32.cap == pytest.approx(3 * fp32)
-    assert gates.baseline_gate_for("lm_head", tensor, "bf16")[1].cap == pytest.approx(3 * bf16)
-    assert gates.gate_for("lm_head", tensor, "bf16")[1].cap == pytest.approx(3 * bf16)
+    key, own32 = gates.baseline_gate_for("lm_head", tensor, "fp32", "tiny")
+    assert key == ("lm_head", f"tiny:*/{mode}/step*", "fp32") and own32.cap == pytest.approx(3 * fp32)
+    assert gates.baseline_gate_for("lm_head", tensor, "bf16", "tiny")[1].cap == pytest.approx(3 * bf16)
+    assert gates.gate_for("lm_head", tensor, "bf16", "tiny")[1].cap == pytest.approx(3 * bf16)
 
 
 def test_the_layerwise_logits_are_not_gated_by_the_free_runs_accumulation():
     layerwise, free = (gate_table.measured.TRACE_LOGITS[m] for m in ("layerwise", "free"))
     assert free[0][0] > 50 * layerwise[0][0] and free[1][0] > 25 * layerwise[1][0]
-    assert gates.baseline_gate_for("lm_head", "tiny/layerwise/step3.logits", "bf16")[1].cap < free[1][0]
+    assert gates.baseline_gate_for("lm_head", "tiny/layerwise/step3.logits", "bf16", "tiny")[1].cap < free[1][0]
 
 
 def test_a_models_own_rows_win_over_the_shared_ones_in_either_mode():
-    rows, _ = gate_table.trace_rows("tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))}, "a test")
+    rows, _ = gate_table.trace_rows("tiny", "tiny", {"lm_head": ((1e-9, "test"), (1e-9, "test"))}, "a test")
     table = {**gates.GATES, **rows}
     for mode in ("layerwise", "free"):
-        key, _ = gates._lookup(table, "lm_head", f"tiny/{mode}/step0.logits", "fp32")
-        assert key == ("lm_head", "tiny/*/step*", "fp32")
-        assert gates._lookup(table, "lm_head", f"k3geom/{mode}/step0.logits", "fp32")[0][1] == f"*/{mode}/step*"
+        key, _ = gates.lookup(table, "lm_head", f"tiny/{mode}/step0.logits", "fp32", "tiny")
+        assert key == ("lm_head", "tiny:tiny/*/step*", "fp32")
+        other = gates.lookup(table, "lm_head", f"k3geom/{mode}/step0.logits", "fp32", "tiny")[0]
+        assert other is not None and other[1] == f"tiny:*/{mode}/step*"
 
 
 # ---------------------------------------------------------------------------------------------------
