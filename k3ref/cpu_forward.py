@@ -13,6 +13,11 @@ Prefill (T tokens of one sequence) runs KDA in the chunked form and MLA in the e
 the recurrent KDA step and absorbed MLA over the paged cache. The two paths are independent forms of the
 same model, so greedy decode == recomputing the whole sequence checks both.
 Every heavy step goes through `cores`, so the runner can swap one kernel in at a time.
+
+At K3's real size (one layer's dense floats are 2.5 GB in float32, the embedding and lm_head 2.35 GB each in
+bf16) nothing is cast whole: the embedding is gathered by rows, lm_head applied in blocks of vocab rows, and a
+model too large to keep its float copies converts each weight when used (`K3CpuModel`'s `keep_casts`); a model
+may run some of its layers only (`layers`: a checkpoint written by `k3conf synth --layers`).
 """
 from __future__ import annotations
 
@@ -27,13 +32,13 @@ from .cache import HybridCache
 from .checks import is_finite_real, require
 from .config import K3Config
 from .cores import Cores, reference_cores
-from .cpu_weights import LM_HEAD, TEXT_PREFIX, CheckpointWeights, ModuleView, layer_prefix
+from .cpu_weights import LM_HEAD, TEXT_PREFIX, CheckpointWeights, ModuleView, layer_prefix, stored_tensor, take_rows
 from .expert_backend import MmapExpertStore, kind_from_env
 from .kda import kda_decode_token, kda_prefill
 from .latent_moe import latent_moe_forward
 from .layer import K3Graph, MixerKind, MlpKind
 from .situ import situ_glu_vec
-from .weights import CheckpointReader, inventory, synthetic_weights
+from .weights import CheckpointReader, check_layers, dense_inventory, inventory, missing_layers, synthetic_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,27 @@ class Ablation:
 PRODUCTION = Ablation()
 
 
+# A model whose dense float weights (at the working dtype, embedding and lm_head excluded) stay under this
+# keeps its cast copies for the run; a larger one converts each tensor when used and drops it after.
+KEEP_CASTS_BYTES = 1 << 30
+# lm_head is applied in blocks of vocab rows of about this many bytes at the working dtype.
+LM_HEAD_BLOCK_BYTES = 64 << 20
+EMBED = TEXT_PREFIX + "embed_tokens.weight"
+
+
+def float_weight_bytes(cfg, itemsize: int, layers=None) -> tuple[int, int]:
+    """(total, largest) bytes of the dense float tensors of `layers` (default all) and the small globals at
+    `itemsize` bytes an element: what a model keeping its casts holds, and what converting one at a time
+    holds at most. The embedding and lm_head are excluded: they are only ever read by rows."""
+    sizes = [s.numel * itemsize for s in dense_inventory(cfg, layers)
+             if s.dtype != "U8" and s.name not in (EMBED, LM_HEAD)]
+    return sum(sizes), max(sizes, default=0)
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    return ",".join(map(str, layers[:12])) + (f",... ({len(layers)} layers)" if len(layers) > 12 else "")
+
+
 class K3CpuModel:
     """A K3 config plus its weights (any Mapping of full checkpoint names), computing in `dtype`.
 
@@ -60,9 +86,16 @@ class K3CpuModel:
     `tp`: None for the whole model; one rank of a tensor-parallel group otherwise (a `k3ref.tp.TpRank`):
     `cfg` is then the plan's local config and `weights` that rank's shard, and the graph calls the rank's
     collectives where the plan puts them (see k3ref.tp).
+    `layers`: the 0-indexed layers the forward runs (default all); the others are skipped (their weights need
+    not exist), so a checkpoint of a few real-size layers runs on its own.
+    `keep_casts`: keep every dense float weight cast to `dtype` for the run (fast for a small model), or
+    convert each when used and drop it after (no whole-model float copy: a real-size model); None decides by
+    size (kept when `float_weight_bytes` is at most KEEP_CASTS_BYTES). The embedding is always gathered by
+    rows and lm_head applied in blocks of vocab rows, never cast whole.
     """
 
-    def __init__(self, cfg, weights: Mapping, dtype=np.float64, tp=None):
+    def __init__(self, cfg, weights: Mapping, dtype=np.float64, tp=None, *, layers=None,
+                 keep_casts: bool | None = None):
         require(np.dtype(dtype) in (np.float32, np.float64), f"dtype: expected float32 or float64, found {dtype}")
         self.cfg = cfg
         self.tp = tp
@@ -71,10 +104,15 @@ class K3CpuModel:
         self.expert_store: MmapExpertStore | None = weights.store if isinstance(weights, CheckpointWeights) else None
         self.dtype = np.dtype(dtype)
         self.graph = K3Graph.from_config(cfg)
+        self.layers: tuple[int, ...] = (tuple(range(cfg.num_hidden_layers)) if layers is None
+                                        else check_layers(cfg, layers))
         self.kda_cfg = cfg.kda_config()
         self.mla_cfg = cfg.mla_config()
         self.moe_cfg = cfg.moe_config()
-        self._cast: dict = {}
+        if keep_casts is None:
+            keep_casts = float_weight_bytes(cfg, self.dtype.itemsize, layers)[0] <= KEEP_CASTS_BYTES
+        self.keep_casts = bool(keep_casts)
+        self._cast: dict | None = {} if self.keep_casts else None
 
     @classmethod
     def synthetic(cls, cfg, seed: int = 0, dtype=np.float64) -> K3CpuModel:
@@ -82,8 +120,13 @@ class K3CpuModel:
         return cls(cfg, synthetic_weights(cfg, seed, dtype), dtype)
 
     @classmethod
-    def from_checkpoint(cls, path, cfg=None, dtype=np.float32, expert_store=None) -> K3CpuModel:
+    def from_checkpoint(cls, path, cfg=None, dtype=np.float32, expert_store=None, *, layers=None,
+                        keep_casts: bool | None = None) -> K3CpuModel:
         """Lazy weights from a Hugging Face style checkpoint directory (config: `cfg` or its config.json).
+
+        layers: run only these layers (the checkpoint needs only their tensors and the globals); a checkpoint
+        missing a layer asked for (default: every layer) raises ValueError naming the missing layers and the
+        ones it holds. keep_casts: see the class.
 
         Routed experts are served by an expert store (`model.expert_store`): the class `expert_store`, or by
         default the one environment variable K3_EXPERT_BACKEND names (`kind_from_env`: unset = "mmap",
@@ -96,29 +139,60 @@ class K3CpuModel:
         store_kind = expert_store if expert_store is not None else kind_from_env()
         cfg = cfg if cfg is not None else K3Config.from_json(Path(path) / "config.json")
         reader = CheckpointReader(path)
-        for spec in inventory(cfg):
+        gone = missing_layers(cfg, reader.entries, layers)
+        require(gone is None, f"checkpoint {path}: {gone}")
+        for spec in inventory(cfg, layers):
             found = reader.entries.get(spec.name)
             require(found is not None and found.shape == spec.shape and found.dtype == spec.dtype,
                     f"checkpoint {path}: {spec.name}: expected shape {list(spec.shape)} ({spec.dtype}) for this "
                     f"config, found {'no such tensor' if found is None else f'{list(found.shape)} ({found.dtype})'}; "
                     f"run `k3conf admit {path}`")
-        return cls(cfg, CheckpointWeights(reader, store_kind(reader)), dtype)
+        return cls(cfg, CheckpointWeights(reader, store_kind(reader)), dtype, layers=layers, keep_casts=keep_casts)
 
     def layer(self, i: int) -> ModuleView:
-        require(0 <= i < self.cfg.num_hidden_layers, f"layer: expected 0..{self.cfg.num_hidden_layers - 1}, found {i}")
+        require(i in self.layers, f"layer: expected one of the layers this model runs "
+                                  f"({_span(self.layers)}), found {i}")
         return ModuleView(self.weights, layer_prefix(i), self.dtype, self._cast)
 
     def globals(self) -> ModuleView:
         return ModuleView(self.weights, TEXT_PREFIX, self.dtype, self._cast)
 
+    @property
+    def lm_head_name(self) -> str:
+        """`language_model.lm_head.weight`, or the embedding table's name when tie_word_embeddings."""
+        return EMBED if self.cfg.tie_word_embeddings else LM_HEAD
+
     def lm_head(self) -> np.ndarray:
-        """[vocab, D]: `language_model.lm_head.weight`, or the embedding table when tie_word_embeddings."""
-        name = TEXT_PREFIX + "embed_tokens.weight" if self.cfg.tie_word_embeddings else LM_HEAD
-        return ModuleView(self.weights, "", self.dtype, self._cast)[name]
+        """[vocab, D] whole, in the model's dtype (for tests; the forward applies it in blocks)."""
+        return self.table_rows(self.lm_head_name, slice(None))
+
+    def table_rows(self, name: str, rows) -> np.ndarray:
+        """Rows (index array or slice) of the table `name` (embedding or lm_head) in the model's dtype."""
+        return take_rows(self.weights, name, rows, self.dtype)
+
+    def lm_head_block_rows(self) -> int:
+        """Vocab rows per lm_head block: about LM_HEAD_BLOCK_BYTES at the model's dtype."""
+        return max(1, LM_HEAD_BLOCK_BYTES // (self.cfg.hidden_size * self.dtype.itemsize))
+
+    def apply_lm_head(self, x: np.ndarray) -> np.ndarray:
+        """x [T, D] -> x @ lm_head.T [T, rows held], one block of vocab rows converted at a time."""
+        name = self.lm_head_name
+        V, step = stored_tensor(self.weights, name).shape[0], self.lm_head_block_rows()
+        out = np.empty((x.shape[0], V), np.result_type(x.dtype, self.dtype))
+        for lo in range(0, V, step):
+            out[:, lo:lo + step] = x @ self.table_rows(name, slice(lo, lo + step)).T
+        return out
 
     def new_cache(self, num_pages: int = 64) -> HybridCache:
-        """An empty HybridCache in the model's dtype; `num_pages` pages of the MLA config's page size (64)."""
-        return HybridCache(self.cfg, num_pages=num_pages, page_size=self.mla_cfg.page_size, dtype=self.dtype)
+        """An empty HybridCache in the model's dtype; `num_pages` pages of the MLA config's page size (64).
+
+        Only the layers this model runs get caches (a KDA state is allocated per layer and sequence)."""
+        cache = HybridCache(self.cfg, num_pages=num_pages, page_size=self.mla_cfg.page_size, dtype=self.dtype)
+        if len(self.layers) < self.cfg.num_hidden_layers:
+            cache.kda_layers = tuple(i for i in cache.kda_layers if i in self.layers)
+            cache.mla_layers = tuple(i for i in cache.mla_layers if i in self.layers)
+            cache.mla = {i: kv for i, kv in cache.mla.items() if i in self.layers}
+        return cache
 
 
 @dataclasses.dataclass
@@ -142,13 +216,12 @@ def embed(model: K3CpuModel, tokens) -> np.ndarray:
             f"tokens: expected a 1-D integer array, found {ids.dtype} {ids.shape}")
     V = model.cfg.vocab_size
     require(bool(np.all((ids >= 0) & (ids < V))), f"tokens: expected ids in [0, {V}), found {ids.min()}..{ids.max()}")
-    table = model.globals()["embed_tokens.weight"]
     if model.tp is None:
-        return table[ids]
+        return model.table_rows(EMBED, ids)
     lo, hi = model.tp.vocab.start, model.tp.vocab.stop
     mine = (ids >= lo) & (ids < hi)
-    rows = np.zeros((len(ids), table.shape[1]), table.dtype)
-    rows[mine] = table[ids[mine] - lo]
+    rows = np.zeros((len(ids), model.cfg.hidden_size), model.dtype)
+    rows[mine] = model.table_rows(EMBED, ids[mine] - lo)
     return model.tp.comm.all_reduce(rows)
 
 
@@ -225,7 +298,7 @@ def final_logits(ctx: ForwardContext, hidden) -> np.ndarray:
     out = hidden.final_input(g["output_attn_res_proj.weight"], g["output_attn_res_norm.weight"],
                              mix=ctx.ablation.attnres_mix, cores=ctx.cores)
     normed = ctx.cores.rmsnorm(out, g["norm.weight"], ctx.model.cfg.rms_norm_eps)
-    logits = normed @ ctx.model.lm_head().T
+    logits = ctx.model.apply_lm_head(np.asarray(normed))
     return logits if ctx.model.tp is None else ctx.model.tp.gather_vocab(logits)
 
 
@@ -245,6 +318,8 @@ def forward_tokens(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 
     hub = cores.attnres_hub(model.cfg.attn_res_block_size, eps=model.cfg.rms_norm_eps)
     hub.start(embed(model, tokens))
     for spec in model.graph.layers:
+        if spec.index not in model.layers:
+            continue
         before = hub.copy() if recorder else None
         hub, cache, rec = forward_one_layer(ctx, spec.index, hub, cache)
         if recorder:

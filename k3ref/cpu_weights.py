@@ -3,10 +3,14 @@
 A model's weights are any Mapping from full checkpoint names (docs/spec.md section 7) to arrays: a dict
 from `k3ref.weights.synthetic_weights`, or a lazy `k3ref.weights.CheckpointReader` over safetensors
 shards. `ModuleView` strips a prefix so the block functions see module-local names (`q_proj.weight`),
-casts float tensors to the compute dtype on first use (cached), and leaves U8 MXFP4 bytes as they are,
-so a routed expert is read and dequantised only when the router selects it.
+casts float tensors to the compute dtype when used (kept in a cache only when the model keeps its float
+copies: small models; a real-size model converts a tensor each time it is used and drops it after, so no
+whole-model float copy exists), and leaves U8 MXFP4 bytes as they are, so a routed expert is read and
+dequantised only when the router selects it.
 `CheckpointWeights` is the mapping `K3CpuModel.from_checkpoint` uses: routed-expert tensors come from an
-expert store (`k3ref.expert_backend`, zero-copy memmaps by default), everything else from the reader.
+expert store (`k3ref.expert_backend`, zero-copy memmaps by default), everything else from the reader; its
+`stored(name)` is the tensor as stored without a copy (a memmap view), which is what a cast reads from.
+`take_rows` gathers rows of a table (the embedding, a block of lm_head) without touching the rest.
 """
 from __future__ import annotations
 
@@ -30,6 +34,14 @@ class CheckpointWeights(Mapping):
         self.reader = reader
         self.store = store
 
+    def stored(self, name: str) -> np.ndarray:
+        """The tensor as stored, no copy: an expert's U8 bytes from the store, any other tensor as a read-only
+        view of the shard's memory map (BF16 as ml_dtypes.bfloat16)."""
+        parsed = parse_expert_name(name) if name in self.reader.entries else None
+        if parsed is None:
+            return self.reader.view(name)
+        return self.store.tensor(*parsed)
+
     def __getitem__(self, name: str) -> np.ndarray:
         parsed = parse_expert_name(name) if name in self.reader.entries else None
         if parsed is None:
@@ -46,29 +58,50 @@ class CheckpointWeights(Mapping):
         return name in self.reader
 
 
+def stored_tensor(weights: Mapping, name: str) -> np.ndarray:
+    """weights' tensor `name` as stored (`weights.stored(name)` when the mapping has it: no copy)."""
+    stored = getattr(weights, "stored", None)
+    return np.asarray(stored(name) if stored is not None else weights[name])
+
+
+def _is_float(arr: np.ndarray) -> bool:
+    return arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"
+
+
+def take_rows(weights: Mapping, name: str, rows, dtype) -> np.ndarray:
+    """Rows `rows` (an index array or a slice) of the 2-D table `name`, cast to `dtype`: only those rows are
+    read and converted (a memory-mapped table's other pages stay on disk)."""
+    table = stored_tensor(weights, name)
+    return np.array(table[rows], dtype=np.dtype(dtype))
+
+
 class ModuleView(Mapping):
-    """Read-only view of `weights` under `prefix`, floats cast to `dtype` (cached in `cache`), U8 passed through."""
+    """Read-only view of `weights` under `prefix`, floats cast to `dtype`, U8 passed through.
+
+    cache: a dict shared by the views of one model where cast float tensors are kept (a model small enough to
+    keep its float copies), or None: every access converts the stored tensor anew and the caller's reference
+    is the only one, so the copy is freed when the caller drops it.
+    """
 
     def __init__(self, weights: Mapping, prefix: str, dtype, cache: dict | None = None):
         self._weights = weights
         self._prefix = prefix
         self._dtype = np.dtype(dtype)
-        self._cache = {} if cache is None else cache
+        self._cache = cache
 
     def __getitem__(self, name: str) -> np.ndarray:
         full = self._prefix + name
-        hit = self._cache.get(full)
+        hit = None if self._cache is None else self._cache.get(full)
         if hit is not None:
             return hit
         try:
-            raw = self._weights[full]
+            arr = stored_tensor(self._weights, full)
         except KeyError:
             raise KeyError(f"weight {full!r} is missing (module view {self._prefix!r})") from None
-        arr = np.asarray(raw)
-        if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
+        if _is_float(arr):
             arr = arr.astype(self._dtype, copy=False)
-            # Experts are dequantised per use; dense float weights are cast once and kept.
-            self._cache[full] = arr
+            if self._cache is not None:   # experts are dequantised per use; dense floats kept when asked
+                self._cache[full] = arr
         return arr
 
     def __iter__(self) -> Iterator[str]:

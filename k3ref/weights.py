@@ -5,6 +5,8 @@
 - `synthetic_weights(cfg, seed)`: deterministic weights whose activations stay O(1) through the model;
   floats already rounded to what the checkpoint stores (bf16 / float32), so a checkpoint round trip is exact.
 - `synthetic_checkpoint(cfg, seed, out_dir)`: sharded safetensors + index.json + config.json.
+- `synth_checkpoint(cfg, out_dir, layers=...)`: a real-geometry checkpoint of some layers (plus the globals) in
+  minutes: random MXFP4 bytes with valid scales instead of a quantisation pass, streamed tensor by tensor.
 - `CheckpointReader(dir)`: a lazy Mapping[name -> ndarray] over the shards (bf16 returned as float32).
 - `admit_checkpoint(dir, cfg)`: reads only the headers (checked by the safetensors format rules); reports
   every missing, unexpected, misshaped and mistyped tensor, and every disagreement between the index and
@@ -22,6 +24,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -255,22 +258,73 @@ def _global_specs(cfg: K3Config) -> list[TensorSpec]:
 
 
 @functools.lru_cache(maxsize=8)
-def _inventory(cfg: K3Config) -> tuple[TensorSpec, ...]:
+def _inventory(cfg: K3Config, layers: tuple[int, ...] | None = None) -> tuple[TensorSpec, ...]:
     head = _global_specs(cfg)
     specs = head[:1]
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers) if layers is None else layers:
         specs += _layer_specs(cfg, i)
     return tuple(specs + head[1:])
 
 
-def inventory(cfg: K3Config) -> list[TensorSpec]:
+def inventory(cfg: K3Config, layers: Iterable[int] | None = None) -> list[TensorSpec]:
     """Every text tensor of `cfg`'s checkpoint, full names, in checkpoint order (docs/spec.md section 7).
 
     Globals: embed_tokens [V, D], norm [D], output_attn_res_norm [D], output_attn_res_proj [1, D], lm_head [V, D]
     (absent when tied). Per layer: 4 norms [D] + 2 AttnRes projections [1, D]; KDA (14 tensors) or MLA (8);
     dense MLP (3) or LatentMoE (8 + 6 per routed expert). K3: 497,052 tensors.
+    layers: only these layers' tensors (0-indexed, checked by `check_layers`), plus every global tensor.
     """
-    return list(_inventory(cfg))
+    return list(_inventory(cfg, None if layers is None else check_layers(cfg, layers)))
+
+
+def dense_inventory(cfg: K3Config, layers: Iterable[int] | None = None) -> list[TensorSpec]:
+    """inventory(cfg, layers) without the routed experts (K3: 2,380 tensors instead of 497,052), same order."""
+    head = _global_specs(cfg)
+    specs = head[:1]
+    for i in range(cfg.num_hidden_layers) if layers is None else check_layers(cfg, layers):
+        specs += _layer_specs(cfg, i, experts=False)
+    return specs + head[1:]
+
+
+def check_layers(cfg: K3Config, layers: Iterable[int]) -> tuple[int, ...]:
+    """`layers` as a sorted tuple of distinct 0-indexed layers of `cfg`; ValueError naming what is wrong."""
+    try:
+        out = tuple(sorted({int(i) for i in layers}))
+    except (TypeError, ValueError):
+        raise ValueError(f"layers: expected 0-indexed layer numbers, found {layers!r:.200}") from None
+    L = cfg.num_hidden_layers
+    bad = [i for i in out if not 0 <= i < L]
+    if not out or bad:
+        raise ValueError(f"layers: expected at least one layer in 0..{L - 1}, found "
+                         f"{list(out) if not bad else bad[:10]}")
+    return out
+
+
+_LAYER_RE = re.compile(re.escape(TEXT_PREFIX) + r"layers\.(\d+)\.")
+
+
+def checkpoint_layers(names: Iterable[str]) -> tuple[int, ...]:
+    """The layers that at least one of the tensor `names` belongs to (sorted, 0-indexed)."""
+    found = set()
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m is not None:
+            found.add(int(m.group(1)))
+    return tuple(sorted(found))
+
+
+def missing_layers(cfg: K3Config, names: Iterable[str], layers: Iterable[int] | None = None) -> str | None:
+    """None when `names` hold a tensor of every layer asked for (`layers`, default all of `cfg`'s), else a
+    sentence naming the missing layers and the ones the checkpoint does hold (what `--layers` could run)."""
+    held = checkpoint_layers(names)
+    want = range(cfg.num_hidden_layers) if layers is None else check_layers(cfg, layers)
+    gone = [i for i in want if i not in set(held)]
+    if not gone:
+        return None
+    shown = ",".join(map(str, gone[:20])) + (f",... ({len(gone)} layers)" if len(gone) > 20 else "")
+    return (f"the checkpoint holds no tensor of layer(s) {shown} (it holds layer(s) "
+            f"{','.join(map(str, held)) or 'none'}); run only the layers it holds, e.g. --layers "
+            f"{','.join(map(str, held[:8])) or '0'}")
 
 
 # ----- synthetic weights -----
@@ -280,31 +334,66 @@ def _rng(seed: int, key: str) -> np.random.Generator:
     return np.random.default_rng([int(seed), zlib.crc32(key.encode())])
 
 
+def _normal_params(spec: TensorSpec) -> tuple[float, float] | None:
+    """(std, mean) of a float tensor drawn from a normal (see synthetic_weights); None for A_log."""
+    name, shape = spec.name, spec.shape
+    if name.endswith("A_log"):
+        return None
+    if name.endswith("conv1d.weight") or name.endswith("dt_bias"):
+        return 0.5, 0.0
+    if name.endswith("e_score_correction_bias"):
+        return 0.05, 0.0   # nonzero: it must move the top-k choice, not the weights
+    if name.endswith("_res_proj.weight"):
+        return 1.0 / math.sqrt(shape[-1]), 0.0   # logits ~ N(0, 1): non-uniform but unsaturated mixing
+    if name.endswith("norm.weight"):
+        return 0.1, 1.0
+    if name.endswith("embed_tokens.weight"):
+        return 1.0, 0.0
+    return 1.0 / math.sqrt(shape[-1]), 0.0   # linear [out, in]: y = W x keeps unit variance
+
+
 def _float_values(spec: TensorSpec, cfg: K3Config, seed: int) -> np.ndarray:
     """float32 values of a float tensor before rounding to its storage dtype (see synthetic_weights)."""
-    name, shape = spec.name, spec.shape
-    rng = _rng(seed, name)
-
-    def normal(std: float, mean: float = 0.0) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean))
-
-    if name.endswith("A_log"):
-        out = np.zeros(shape, np.float32)
+    rng = _rng(seed, spec.name)
+    params = _normal_params(spec)
+    if params is None:   # A_log: log U(1, 16) on the heads, zero padding
+        out = np.zeros(spec.shape, np.float32)
         out[: cfg.kda_num_heads] = np.log(rng.uniform(1.0, 16.0, cfg.kda_num_heads))
         return out
-    if name.endswith("conv1d.weight"):
-        return normal(0.5)
-    if name.endswith("dt_bias"):
-        return normal(0.5)
-    if name.endswith("e_score_correction_bias"):
-        return normal(0.05)   # nonzero: it must move the top-k choice, not the weights
-    if name.endswith("_res_proj.weight"):
-        return normal(1.0 / math.sqrt(shape[-1]))   # logits ~ N(0, 1): non-uniform but unsaturated mixing
-    if name.endswith("norm.weight"):
-        return normal(0.1, 1.0)
-    if name.endswith("embed_tokens.weight"):
-        return normal(1.0)
-    return normal(1.0 / math.sqrt(shape[-1]))   # linear [out, in]: y = W x keeps unit variance
+    std, mean = params
+    return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(std) + np.float32(mean)
+
+
+def _float_chunks(spec: TensorSpec, cfg: K3Config, seed: int, chunk_elems: int) -> Iterator[np.ndarray]:
+    """The stored values of a float tensor in row blocks of about `chunk_elems` elements: the same values as
+    `_round(_float_values(...))` (one generator, drawn in order), never the whole float32 tensor at once."""
+    params = _normal_params(spec)
+    if params is None or spec.numel <= chunk_elems or len(spec.shape) < 2:
+        yield _round(_float_values(spec, cfg, seed), spec.dtype)
+        return
+    rng = _rng(seed, spec.name)
+    std, mean = np.float32(params[0]), np.float32(params[1])
+    row = math.prod(spec.shape[1:])
+    step = max(1, chunk_elems // row)
+    for lo in range(0, spec.shape[0], step):
+        rows = min(step, spec.shape[0] - lo)
+        yield _round(rng.standard_normal((rows, *spec.shape[1:]), dtype=np.float32) * std + mean, spec.dtype)
+
+
+# E2M1 codes drawn uniformly have mean square (0 + .25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8 = 8.5625.
+_E2M1_MEAN_SQUARE = 8.5625
+
+
+def _random_mxfp4(spec: TensorSpec, seed: int) -> np.ndarray:
+    """Random MXFP4 bytes of a routed-expert tensor, no quantisation pass: packed = uniform random bytes (two
+    E2M1 codes each); scale = E8M0 bytes 2^(e0 + {-1, 0, 1}) with e0 chosen so that W x keeps unit variance
+    (W's elements ~ 1/sqrt(in), in = 32 * scale columns). Scales are 127 +- a few: never 255 (NaN)."""
+    rng = _rng(seed, spec.name)
+    if spec.name.endswith("weight_packed"):
+        return np.frombuffer(rng.bytes(spec.numel), np.uint8).reshape(spec.shape)
+    cols = 32 * spec.shape[-1]
+    e0 = round(math.log2(1.0 / math.sqrt(_E2M1_MEAN_SQUARE * cols)))
+    return (127 + e0 + rng.integers(-1, 2, spec.shape)).astype(np.uint8)
 
 
 def _round(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -365,16 +454,19 @@ def synthetic_weights(cfg: K3Config, seed: int, dtype=np.float64) -> dict[str, n
     total = sum(t.nbytes for t in inventory(cfg))
     if total > 8 << 30:
         raise ValueError(f"synthetic_weights: {num_parameters(cfg):,} parameters ({total / 2**30:.0f} GiB stored) "
-                         "is too large to materialise; use a smaller config (preset 'small' or 'tiny')")
+                         "is too large to materialise; use a smaller config (preset 'small' or 'tiny'), or write "
+                         "some of its layers to disk with synth_checkpoint (`k3conf synth`) and run those")
     return {spec.name: (a if spec.dtype == "U8" else a.astype(dtype))
             for spec, a in stored_tensors(cfg, seed, inventory(cfg))}
 
 
 # ----- safetensors I/O -----
 
-def _write_safetensors(path: Path, items: Iterable[tuple[TensorSpec, np.ndarray]], specs: list[TensorSpec],
-                       metadata: dict[str, str]) -> None:
-    """Stream `items` (in `specs` order) into a safetensors file: temp file first, renamed into place."""
+def _write_safetensors(path: Path, items: Iterable[tuple[TensorSpec, np.ndarray | Iterable[np.ndarray]]],
+                       specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+    """Stream `items` (in `specs` order) into a safetensors file: temp file first, renamed into place.
+
+    Each item's data is one array, or an iterable of row blocks written one after the other."""
     header: dict = {"__metadata__": metadata}
     off = 0
     for s in specs:
@@ -387,10 +479,19 @@ def _write_safetensors(path: Path, items: Iterable[tuple[TensorSpec, np.ndarray]
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for spec, arr in items:
-            arr = np.ascontiguousarray(arr)
-            if arr.nbytes != spec.nbytes or tuple(arr.shape) != spec.shape:
-                raise ValueError(f"{spec.name}: array {arr.dtype} {arr.shape} does not match {spec}")
-            f.write(arr.reshape(-1).view(np.uint8).data)
+            if isinstance(arr, np.ndarray):
+                arr = np.ascontiguousarray(arr)
+                if arr.nbytes != spec.nbytes or tuple(arr.shape) != spec.shape:
+                    raise ValueError(f"{spec.name}: array {arr.dtype} {arr.shape} does not match {spec}")
+                f.write(arr.reshape(-1).view(np.uint8).data)
+                continue
+            wrote = 0   # an iterator of row blocks (synth_checkpoint's large tensors)
+            for part in arr:
+                part = np.ascontiguousarray(part)
+                wrote += part.nbytes
+                f.write(part.reshape(-1).view(np.uint8).data)
+            if wrote != spec.nbytes:
+                raise ValueError(f"{spec.name}: row blocks of {wrote} bytes do not match {spec} ({spec.nbytes} bytes)")
     os.replace(tmp, path)
 
 
@@ -435,6 +536,71 @@ def synthetic_checkpoint(cfg: K3Config, seed: int, out_dir: str | os.PathLike,
     tmp.write_text(json.dumps(index, indent=2) + "\n")
     os.replace(tmp, out / INDEX_FILE)
     cfg.save(out / "config.json")
+    return out
+
+
+# synth_checkpoint draws large float tensors in row blocks of this many elements (64 MiB of float32).
+SYNTH_CHUNK_ELEMS = 1 << 24
+# ... and wants this much disk beyond the checkpoint's bytes before it starts.
+SYNTH_DISK_MARGIN = 1 << 30
+
+
+def _synth_items(cfg: K3Config, seed: int,
+                 specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray | Iterator[np.ndarray]]]:
+    for spec in specs:
+        if spec.dtype == "U8":
+            yield spec, _random_mxfp4(spec, seed)
+        else:
+            yield spec, _float_chunks(spec, cfg, seed, SYNTH_CHUNK_ELEMS)
+
+
+def synth_checkpoint(cfg: K3Config, out_dir: str | os.PathLike, *, layers: Iterable[int] | None = None,
+                     seed: int = 0, shard_bytes: int = 1 << 30) -> Path:
+    """Write a checkpoint of `cfg`'s geometry holding `layers` (default: all) plus every global tensor, in the
+    inventory's names (what `admit` and `K3CpuModel.from_checkpoint(..., layers=...)` expect); returns out_dir.
+
+    Float tensors are `synthetic_weights`' values (the same generator: a synth checkpoint of every layer holds
+    them bit for bit), drawn and written in row blocks; routed experts are random MXFP4 bytes with valid scales
+    (`_random_mxfp4`: no quantisation pass, so one K3 MoE layer takes minutes, not hours). At most one row
+    block or one expert tensor is in memory at a time. Everything is written into a temporary sibling folder
+    that is renamed to out_dir at the end (removed on failure). Refuses (ValueError) an out_dir that exists
+    and is not empty, and a disk without room for the checkpoint plus SYNTH_DISK_MARGIN, naming the numbers.
+    """
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes: expected > 0, found {shard_bytes}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty folder; refusing to overwrite it (remove it or "
+                         "choose another folder)")
+    specs = inventory(cfg, layers)
+    total = sum(s.nbytes for s in specs)
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if total + SYNTH_DISK_MARGIN > free:
+        raise ValueError(f"{out}: the checkpoint needs {total / 2**30:,.2f} GiB (+ {SYNTH_DISK_MARGIN / 2**30:.0f} "
+                         f"GiB margin), the disk of {parent} has {free / 2**30:,.2f} GiB free")
+    partial = parent / f".{out.name}.partial-{os.getpid()}"
+    partial.mkdir()
+    try:
+        shards = _plan_shards(specs, shard_bytes)
+        n = len(shards)
+        weight_map = {}
+        stream = _synth_items(cfg, seed, specs)
+        for k, shard in enumerate(shards, 1):
+            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+            items = (next(stream) for _ in shard)
+            _write_safetensors(partial / fname, items, shard, {"format": "np", "seed": str(seed)})
+            weight_map.update({s.name: fname for s in shard})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        cfg.save(partial / "config.json")
+        if out.exists():
+            out.rmdir()   # empty (checked above): rename needs the name free
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out
 
 
@@ -495,6 +661,18 @@ class CheckpointReader(Mapping):
                     raise CheckpointError(f"{f}: tensor {name!r} is also in {self.entries[name].path.name}")
                 self.entries[name] = h
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, np.memmap] = {}
+
+    def view(self, name: str) -> np.ndarray:
+        """The tensor as stored, without a copy: a read-only view of the shard's memory map in its stored dtype
+        (BF16 as ml_dtypes.bfloat16). Slicing it reads only the pages of the rows taken, so a caller gathers
+        embedding rows or converts one block of a large table at a time."""
+        h = self.entries.get(name)
+        if h is None:
+            raise KeyError(f"{name!r} is not in the checkpoint {self.directory}")
+        if h.path not in self._maps:
+            self._maps[h.path] = np.memmap(h.path, dtype=np.uint8, mode="r")
+        return self._maps[h.path][h.begin:h.end].view(safetensors_io.numpy_dtype(h.dtype)).reshape(h.shape)
 
     def _handle(self, path: Path):
         if path not in self._handles:
@@ -571,7 +749,7 @@ class Verdict:
         head = (f"{self.directory}: {self.n_found} text tensors in {self.n_files} shard(s), "
                 f"{self.n_expected} expected for {self.config_name}")
         if self.n_ignored:
-            head += f" ({self.n_ignored} non-text tensors ignored)"
+            head += f" ({self.n_ignored} non-text tensors or tensors of layers not asked for ignored)"
         if self.ok:
             return f"ADMITTED  {head}"
         groups = {k: v for k, v in self.by_kind().items() if v}
@@ -591,8 +769,12 @@ def _config_label(cfg: K3Config) -> str:
     return f"config ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size})"
 
 
-def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: bool = True) -> Verdict:
-    """Check a checkpoint directory against inventory(cfg), reading only the safetensors headers.
+def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: bool = True,
+                     layers: Iterable[int] | None = None) -> Verdict:
+    """Check a checkpoint directory against inventory(cfg, layers), reading only the safetensors headers.
+
+    layers: only these layers (plus the globals) are expected; tensors of other layers are counted with the
+    ignored ones (a checkpoint of layers 1 and 3 is admitted to run layer 1 alone).
 
     Reports, all at once: missing, unexpected, misshaped and mistyped tensors, tensors in two shards, and
     disagreements of index.json with the shards (an entry pointing at an absent shard or at a shard not
@@ -608,21 +790,25 @@ def admit_checkpoint(directory: str | os.PathLike, cfg: K3Config, *, text_only: 
     problems: list[Problem] = []
     ignored = 0
     shards = {f.name: read_header(f) for f in files}
+    run = None if layers is None else set(check_layers(cfg, layers))
     for f in files:
         for name, h in shards[f.name].items():
             if text_only and not name.startswith("language_model."):
+                ignored += 1
+                continue
+            if run is not None and (m := _LAYER_RE.match(name)) is not None and int(m.group(1)) not in run:
                 ignored += 1
                 continue
             if name in found:
                 problems.append(Problem("duplicate", name, found[name].path.name, f.name))
                 continue
             found[name] = h
-    want = inventory_totals(cfg).tensors
+    want = inventory_totals(cfg).tensors if layers is None else len(inventory(cfg, layers))
     if want > max(4 * len(found), MAX_LISTED_MISSING):   # listing what is missing would take longer than it helps
         raise CheckpointError(f"{directory}: {_config_label(cfg)} expects {want:,} text tensors "
                               f"({cfg.n_routed_experts:,} routed experts in {cfg.num_hidden_layers:,} layers), the "
                               f"checkpoint holds {len(found):,}: this is not the checkpoint's config")
-    expected = {s.name: s for s in inventory(cfg)}
+    expected = {s.name: s for s in inventory(cfg, layers)}
     problems += _inventory_problems(expected, found)
     problems += _index_problems(directory, shards)
     return Verdict(directory, _config_label(cfg), len(expected), len(found), len(files), ignored, problems)

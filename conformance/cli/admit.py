@@ -1,4 +1,4 @@
-"""`k3conf admit DIR [--config NAME|PATH]`: check a checkpoint's tensors against the K3 inventory.
+"""`k3conf admit DIR [--config NAME|PATH] [--layers 0,3]`: check a checkpoint's tensors against the K3 inventory.
 
 Reads only the safetensors headers. Exit 0: admitted; 1: any missing / unexpected / misshaped / mistyped
 tensor or index problem (all listed); 2: unreadable input (no such folder, corrupt shard, bad config).
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conformance.cli.usage import UsageError
 from k3ref.config import PRESETS, K3Config
-from k3ref.weights import CheckpointError, admit_checkpoint
+from k3ref.weights import CheckpointError, admit_checkpoint, check_layers
 
 
 def load_config(spec: str | None, directory: Path | None = None):
@@ -33,11 +33,30 @@ def load_config(spec: str | None, directory: Path | None = None):
         raise UsageError(f"--config {spec}: {e}") from None
 
 
+def parse_layers(text: str | None, cfg) -> tuple[int, ...] | None:
+    """`--layers 0,3` or `--layers 1-3,7` -> (0, 3) / (1, 2, 3, 7), checked against cfg; None for None."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi) + 1) if hi else [int(lo)]
+        return check_layers(cfg, out)
+    except ValueError as e:
+        raise UsageError(f"--layers {text[:200]}: {e}" if "layers:" in str(e) else
+                         f"--layers {text[:200]}: expected comma-separated layer numbers or ranges (0,3 or 1-3), "
+                         f"0-indexed, 0..{cfg.num_hidden_layers - 1}") from None
+
+
 def register(sub) -> None:
     p = sub.add_parser("admit", help="check a checkpoint folder's tensors against the K3 inventory")
     p.add_argument("dir", type=Path, help="checkpoint folder (*.safetensors, model.safetensors.index.json)")
     p.add_argument("--config", default=None,
                    help="preset name (k3, small, tiny, k3geom) or config.json path; default: DIR/config.json")
+    p.add_argument("--layers", default=None, metavar="LIST",
+                   help="only these layers (0,3 or 1-3) and the globals are expected: a checkpoint written with "
+                        "`k3conf synth --layers` (tensors of other layers are counted and ignored)")
     p.add_argument("--limit", type=int, default=20, help="problems listed per kind (all are counted)")
     p.set_defaults(func=run)
 
@@ -47,7 +66,7 @@ def run(args) -> int:
         raise UsageError(f"--limit: expected an int >= 0, found {args.limit}")
     cfg = load_config(args.config, args.dir)
     try:
-        verdict = admit_checkpoint(args.dir, cfg)
+        verdict = admit_checkpoint(args.dir, cfg, layers=parse_layers(args.layers, cfg))
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     print(verdict.summary(limit=args.limit))

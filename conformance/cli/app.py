@@ -6,13 +6,13 @@ import argparse
 import sys
 
 from conformance import __version__
-from conformance.cli import admit, blocks, decode, model, regen, run, show
+from conformance.cli import admit, blocks, decode, model, regen, run, show, synth
 from conformance.cli import list as list_
 from conformance.cli.usage import UsageError
 from conformance.golden.errors import GoldenError
 from conformance.session import SessionError
 
-COMMANDS = (admit, blocks, decode, list_, model, regen, run, show)   # `k3conf --help` lists them in this order
+COMMANDS = (admit, blocks, decode, list_, model, regen, run, show, synth)   # `k3conf --help` lists them in this order
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

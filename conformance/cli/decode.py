@@ -1,7 +1,10 @@
-"""`k3conf decode`: greedy decode on the CPU reference (synthetic weights or a checkpoint)."""
+"""`k3conf decode`: greedy decode on the CPU reference (synthetic weights or a checkpoint, or some of its layers).
+
+The memory the decode will hold is counted first (k3ref.greedy.decode_memory) and a request that does not fit
+what the machine has available is refused, naming the numbers; a real-size checkpoint runs with its embedding
+gathered by rows, lm_head applied in blocks and its float weights converted one tensor at a time."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -9,13 +12,13 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from conformance.cli.admit import load_config
+from conformance.cli.admit import load_config, parse_layers
 from conformance.cli.run import add_tp_options
 from conformance.cli.usage import UsageError
 from conformance.tp.cli import decode_tp_command
 from k3ref.cpu_forward import K3CpuModel
-from k3ref.greedy import NonFiniteLogits, greedy_decode, non_finite_weight
-from k3ref.weights import CheckpointError, admit_checkpoint, inventory_totals, num_parameters
+from k3ref.greedy import NonFiniteLogits, NotEnoughMemory, decode_memory, greedy_decode, non_finite_weight
+from k3ref.weights import CheckpointError, CheckpointReader, admit_checkpoint, missing_layers, num_parameters
 
 
 def register(sub) -> None:
@@ -24,6 +27,9 @@ def register(sub) -> None:
                    help="preset name (tiny, k3geom, small, k3) or a config.json path; default: the checkpoint's "
                         "config.json with --checkpoint, else tiny")
     p.add_argument("--checkpoint", help="checkpoint directory (default: synthetic weights)")
+    p.add_argument("--layers", default=None,
+                   help="with --checkpoint: run only these 0-indexed layers (e.g. 1,3: a checkpoint written by "
+                        "`k3conf synth --layers 1,3`); default: every layer")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
@@ -33,42 +39,11 @@ def register(sub) -> None:
 
 
 SEED_LIMIT = 2**63        # seeds are 64-bit in every generator the weights come from
-# The share of this machine's memory a decode may plan to hold (cache, kept logits, synthetic weights).
-MEMORY_SHARE = 0.5
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
-def machine_memory() -> int:
-    """Physical memory in bytes (0 when the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def decode_bytes(cfg, prompt_len: int, max_new: int, itemsize: int, synthetic: bool) -> dict[str, int]:
-    """What a greedy decode holds, by part, worked out before allocating any of it.
-
-    The MLA cache is allocated whole for prompt + max_new tokens (pages of 64, one spare); the logits of
-    every step are kept ([max_new, vocab], twice while stacked); synthetic weights are materialised.
-    """
-    tokens = prompt_len + max_new
-    pages = -(-tokens // 64) + 1
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    out = {
-        "MLA cache": len(cfg.mla_layers) * pages * 64 * width * itemsize,
-        "logits": 2 * max_new * cfg.vocab_size * itemsize,
-    }
-    if synthetic:
-        out["synthetic weights"] = inventory_totals(cfg).parameters * itemsize
-    return out
-
-
-def _check_request(args, cfg, prompt: list[int], synthetic: bool, itemsize: int) -> None:
-    """Token ids, --max-new and --seed in range, and the memory the decode would take, before any work."""
+def _check_request(args, cfg, prompt: list[int], synthetic: bool, dtype, layers) -> None:
+    """Token ids, --max-new and --seed in range, and the memory the decode would take
+    (k3ref.greedy.decode_memory against what the machine has available), before any work."""
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if bad:
         raise UsageError(f"--prompt: token id(s) {bad[:5]} out of range: the vocabulary is 0..{cfg.vocab_size - 1}")
@@ -76,13 +51,28 @@ def _check_request(args, cfg, prompt: list[int], synthetic: bool, itemsize: int)
         raise UsageError(f"--max-new: expected an int >= 0, found {args.max_new}")
     if not 0 <= args.seed < SEED_LIMIT:
         raise UsageError(f"--seed: expected an int in [0, 2^63), found {args.seed}")
-    parts = decode_bytes(cfg, len(prompt), args.max_new, itemsize, synthetic)
-    total, have = sum(parts.values()), machine_memory()
-    if have and total > MEMORY_SHARE * have:
-        detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-        raise UsageError(f"--max-new {args.max_new} with a {len(prompt)}-token prompt on this config would hold "
-                         f"about {_gib(total)} ({detail}); this machine has {_gib(have)} and a decode may use "
-                         f"{MEMORY_SHARE:.0%} of it: ask for fewer tokens or a smaller config")
+    estimate = decode_memory(cfg, prompt_len=len(prompt), max_new=args.max_new, dtype=dtype, layers=layers,
+                             synthetic=synthetic)
+    try:
+        estimate.check(what=f"--max-new {args.max_new} with a {len(prompt)}-token prompt in {np.dtype(dtype).name}")
+    except NotEnoughMemory as e:
+        raise UsageError(f"{e}: ask for fewer tokens, float32, fewer --layers or a smaller config") from None
+
+
+def _admit(checkpoint: Path, cfg, layers) -> None:
+    """Every name, shape and dtype of the layers asked for, checked before anything is computed; a checkpoint
+    that lacks whole layers is told which it holds (what --layers can run)."""
+    try:
+        verdict = admit_checkpoint(checkpoint, cfg, layers=layers)
+        if verdict.ok:
+            return
+        gone = missing_layers(cfg, CheckpointReader(checkpoint).entries, layers)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if gone is not None:
+        raise UsageError(f"--checkpoint {checkpoint}: {gone}")
+    raise UsageError(f"--checkpoint {checkpoint} does not hold this config's weights as stored:\n"
+                     f"{verdict.summary(limit=5)}\n(`k3conf admit {checkpoint}` lists every problem)")
 
 
 def run(args) -> int:
@@ -97,20 +87,20 @@ def run(args) -> int:
     if num_parameters(cfg) > 2e9 and not args.checkpoint:
         raise UsageError(f"--config {args.config}: {num_parameters(cfg) / 1e9:,.0f}B parameters is too large to "
                          "synthesise on the CPU; use tiny or small, or give --checkpoint")
+    if args.layers is not None and checkpoint is None:
+        raise UsageError("--layers: runs some layers of a checkpoint; give --checkpoint (synthetic weights are "
+                         "the whole model)")
+    layers = parse_layers(args.layers, cfg)
     if args.tp != 1:
+        if layers is not None:
+            raise UsageError("--layers: not with --tp (a tensor-parallel decode runs every layer)")
         return decode_tp_command(args, cfg, prompt)
     dtype = np.dtype(args.dtype)
-    _check_request(args, cfg, prompt, checkpoint is None, dtype.itemsize)
-    if checkpoint is not None:   # every name, shape and dtype checked before anything is computed
-        try:
-            verdict = admit_checkpoint(checkpoint, cfg)
-        except CheckpointError as e:
-            raise UsageError(str(e)) from None
-        if not verdict.ok:
-            raise UsageError(f"--checkpoint {checkpoint} does not hold this config's weights as stored:\n"
-                             f"{verdict.summary(limit=5)}\n(`k3conf admit {checkpoint}` lists every problem)")
+    _check_request(args, cfg, prompt, checkpoint is None, dtype, layers)
+    if checkpoint is not None:
+        _admit(checkpoint, cfg, layers)
     try:
-        model = (K3CpuModel.from_checkpoint(args.checkpoint, cfg, dtype) if args.checkpoint
+        model = (K3CpuModel.from_checkpoint(args.checkpoint, cfg, dtype, layers=layers) if args.checkpoint
                  else K3CpuModel.synthetic(cfg, args.seed, dtype))
         tokens = _decode(model, prompt, args.max_new)
     except ValueError as e:
