@@ -18,11 +18,17 @@ from .spec import ARCHS, BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic
 # One wrapper module k3cuda/<block>.py per kernel; the block name is also the core's name.
 KERNEL_MODULES = ("kda_decode", "rmsnorm", "situ_glu", "mla_decode", "mxfp4_gemv", "attnres_mix")
 
-# K3_CUDA_<NAME>=0 keeps the base core for that block; kda_decode also answers to the short K3_CUDA_KDA.
-_ENV_ALIASES = {"kda_decode": ("K3_CUDA_KDA",)}
+# K3_CUDA_<BLOCK>=0 keeps the base core for that block (the escape when a kernel is suspect); the two mixer
+# kernels also answer to their short names, K3_CUDA_KDA and K3_CUDA_MLA. Any other K3_CUDA_* name is refused
+# (check_env): a misspelt escape would otherwise leave the kernel it meant to turn off running, unnoticed.
+ENV_PREFIX = "K3_CUDA_"
+_ENV_ALIASES = {"kda_decode": ("K3_CUDA_KDA",), "mla_decode": ("K3_CUDA_MLA",)}
+ENV_OFF = ("0", "false", "no", "off")
+ENV_ON = ("", "1", "true", "yes", "on")
 
-__all__ = ["ARCHS", "BenchCase", "CheckCase", "EntrySpec", "KERNEL_MODULES", "KernelSpec", "Traffic",
-           "available", "cuda_cores", "enabled", "force_entry", "forced_entry", "kernel_module", "kernel_specs"]
+__all__ = ["ARCHS", "BenchCase", "CheckCase", "ENV_PREFIX", "EntrySpec", "KERNEL_MODULES", "KernelSpec", "Traffic",
+           "available", "check_env", "cuda_cores", "enabled", "env_names", "force_entry", "forced_entry",
+           "kernel_module", "kernel_specs"]
 
 
 def kernel_module(block: str):
@@ -66,17 +72,45 @@ def available() -> tuple[bool, str]:
         return False, f"no usable CUDA device: {type(e).__name__}: {e}"
 
 
+def _block_env(block: str) -> tuple[str, ...]:
+    return (f"{ENV_PREFIX}{block.upper()}", *_ENV_ALIASES.get(block, ()))
+
+
+def env_names() -> tuple[str, ...]:
+    """Every K3_CUDA_* environment name k3cuda reads: K3_CUDA_<BLOCK> per kernel, then the short aliases."""
+    return tuple(f"{ENV_PREFIX}{b.upper()}" for b in KERNEL_MODULES) + tuple(
+        a for b in KERNEL_MODULES for a in _ENV_ALIASES.get(b, ()))
+
+
+def check_env(environ=None) -> None:
+    """ValueError when the environment (default os.environ) holds a K3_CUDA_* name k3cuda does not read, or one
+    of its names with a value that is neither on nor off; the message lists what is known."""
+    env = os.environ if environ is None else environ
+    known = env_names()
+    unknown = sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known)
+    if unknown:
+        raise ValueError(f"unknown K3_CUDA_* environment name(s) {unknown}: expected some of {list(known)} "
+                         f"(K3_CUDA_<KERNEL>=0 keeps the reference core for that kernel)")
+    odd = {n: env[n] for n in known if n in env and env[n].strip().lower() not in ENV_OFF + ENV_ON}
+    if odd:
+        raise ValueError(f"K3_CUDA_* value(s) {odd}: expected one of {list(ENV_OFF)} (keep the reference core) "
+                         f"or {[v for v in ENV_ON if v]} / empty (run the kernel)")
+
+
 def enabled(block: str) -> bool:
-    """False when K3_CUDA_<BLOCK>=0 (or an alias such as K3_CUDA_KDA=0) asks to keep the base core."""
-    names = (f"K3_CUDA_{block.upper()}", *_ENV_ALIASES.get(block, ()))
-    return not any(os.environ.get(n, "").strip() in ("0", "false", "no", "off") for n in names)
+    """False when K3_CUDA_<BLOCK>=0 (or an alias: K3_CUDA_KDA=0, K3_CUDA_MLA=0) asks to keep the base core.
+    ValueError (check_env) when a K3_CUDA_* name is unknown or a value neither on nor off."""
+    check_env()
+    return not any(os.environ.get(n, "").strip().lower() in ENV_OFF for n in _block_env(block))
 
 
 def cuda_cores(base):
     """`base` (a k3ref.cores.Cores) with every core that has a kernel replaced by its CUDA host function.
 
-    A block whose K3_CUDA_<BLOCK> is 0 keeps base's core; cores without a kernel always keep base's.
+    A block whose K3_CUDA_<BLOCK> (or its alias) is 0 keeps base's core; cores without a kernel always keep
+    base's. ValueError (check_env), before any core is swapped, for an unknown K3_CUDA_* name or value.
     """
+    check_env()
     swaps = {}
     for block in KERNEL_MODULES:
         if enabled(block):

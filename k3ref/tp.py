@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import threading
 from typing import NamedTuple, Protocol
 
@@ -38,6 +39,16 @@ from .weights import DTYPE_BYTES, LM_HEAD, TEXT_PREFIX, TensorSpec, inventory, i
 
 SPLIT_KINDS = ("column", "row", "replicated", "expert", "vocab")
 GROUPS = ("attention", "mlp", "experts", "embeddings", "norms")
+GLOBAL = "globals"   # the key of layer_bytes for the tensors outside the layers (embedding, final norm, lm_head)
+
+# The binding-memory plan (docs/spec.md, "Binding memory"): the F32 checkpoint tensors that get a BF16 copy on
+# the device when the layer is bound to the kernels. Of the F32 tensors (section 7) only the three KDA short
+# convolutions face a kernel that reads its weights in the activation dtype (the causal short-conv kernel of a
+# serving engine takes x and w in one dtype: bf16); A_log and dt_bias go to the KDA kernels in fp32 (k3cuda's
+# kda_decode and fla's kernels take them so), o_norm.weight to the RMSNorm in fp32 and the router's
+# e_score_correction_bias to the fp32 router. The fp32 originals stay: the copies are extra bytes.
+BINDING_BF16_COPIES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+_LAYER_RE = re.compile(re.escape(TEXT_PREFIX) + r"layers\.(\d+)\.")
 
 # self_attn.* local names -> split kind (anything not listed there is replicated).
 _ATTN_SPLIT = {
@@ -203,6 +214,36 @@ class TpPlan:
             if e.kind == "replicated":
                 out["replicated"] += b
         out["total"] = sum(out[g] for g in GROUPS)
+        return out
+
+    def layer_bytes(self, rank: int) -> dict[int | str, dict[str, int]]:
+        """Stored bytes `rank` holds per layer (key: the layer index; GLOBAL for the embedding, the final norm
+        and lm_head), by group, plus "total"."""
+        out: dict[int | str, dict[str, int]] = {}
+        lo, hi = self.expert_range(rank)
+        for e in self.entries.values():
+            if e.kind == "expert":
+                if not lo <= _expert_index(e.spec.name) < hi:
+                    continue
+                n = e.local_bytes
+            else:
+                n = math.prod(self.local_shape(e.spec, e.kind, rank)) * DTYPE_BYTES[e.spec.dtype]
+            m = _LAYER_RE.match(e.spec.name)
+            row = out.setdefault(int(m.group(1)) if m else GLOBAL, {g: 0 for g in (*GROUPS, "total")})
+            row[e.group] += n
+            row["total"] += n
+        return out
+
+    def binding_bytes(self, rank: int, copy_bytes: int = 2) -> dict[str, int]:
+        """The binding-memory plan of `rank`: extra device bytes of the BF16 copies of BINDING_BF16_COPIES (its
+        shard of each, over every KDA layer), by tensor, plus "total"."""
+        out = {t: 0 for t in BINDING_BF16_COPIES}
+        for e in self.entries.values():
+            if e.kind == "column" and ".self_attn." in e.spec.name:
+                local = e.spec.name.split(".self_attn.", 1)[1]
+                if local in out:
+                    out[local] += math.prod(self.local_shape(e.spec, e.kind, rank)) * copy_bytes
+        out["total"] = sum(out[t] for t in BINDING_BF16_COPIES)
         return out
 
     @functools.cached_property

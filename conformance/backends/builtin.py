@@ -114,14 +114,25 @@ def torch_model(name: str) -> BackendBase:
     return adapt(TorchModelBackend(name))
 
 
+def cuda_env_problem() -> str:
+    """'' when every K3_CUDA_* environment name and value is one k3cuda reads, else why not (the known names)."""
+    try:
+        k3cuda.check_env()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 class CudaBackend(BackendBase):
-    """k3cuda's kernels in place of the reference cores they implement (the rest stay k3ref's)."""
+    """k3cuda's kernels in place of the reference cores they implement (the rest stay k3ref's). An unknown
+    K3_CUDA_* name (a misspelt escape) makes it unavailable with the list of known names, and its cores refuse."""
 
     name = "cuda"
     precision = "fp32"
 
     def available(self) -> tuple[bool, str]:
-        return k3cuda.available()
+        problem = cuda_env_problem()
+        return (False, problem) if problem else k3cuda.available()
 
     def cores(self) -> Cores:
         return k3cuda.cuda_cores(reference_cores())
@@ -159,6 +170,9 @@ class CudaEmuBackend(CudaBackend):
     precision = "fp32"
 
     def available(self) -> tuple[bool, str]:
+        problem = cuda_env_problem()
+        if problem:
+            return False, problem
         if shutil.which("g++") is None:
             return False, "g++ not found on PATH (the CPU emulation of the kernels compiles them as C++)"
         return True, "k3cuda kernels run on the CPU by the g++ emulation (no GPU rounding, races or timing)"

@@ -145,8 +145,8 @@ class TraceKind(KindBase):
                                          router_budget=budgets.get("router", 0.0))
             info = RunInfo(teacher_forced={"router": run.info.teacher_forced.get("router", 0), "argmax": 0})
             outputs = dict(run.outputs)
-            _judge_tokens(golden, outputs, budgets.get("argmax", 0.0), info)
-            evaluation = Evaluation(outputs, _forced_notes(backend.precision, info.teacher_forced), info)
+            judge_tokens(golden, outputs, budgets.get("argmax", 0.0), info)
+            evaluation = Evaluation(outputs, forced_notes(backend.precision, info.teacher_forced), info)
         else:
             evaluation = self._evaluate_cores(golden, backend, cfg, prompt_len, budgets)
         check_forced(backend.precision, evaluation.info.teacher_forced)
@@ -164,13 +164,13 @@ class TraceKind(KindBase):
         tap = RouterTap(cores.moe_route, inter, budgets.get("router", 0.0))
         outputs = Stepper(model, cores, feed, tap, prompt_len).run(golden.group("inputs")["tokens"])
         info = RunInfo(teacher_forced={"router": tap.forced, "argmax": 0})
-        _judge_tokens(golden, outputs, budgets.get("argmax", 0.0), info)
+        judge_tokens(golden, outputs, budgets.get("argmax", 0.0), info)
         notes = [f"{core}: k3ref's reference core ran (not a kernel core of {backend.name})"
                  for core in CORE_NAMES if core not in own]
         for core, (n, why) in sorted(fallbacks.items()):
             notes.append(f"{core}: k3ref's reference core ran instead on {n} of {calls[core]} call(s) "
                          f"(UnsupportedShape: {why})")
-        notes += _forced_notes(p, info.teacher_forced)
+        notes += forced_notes(p, info.teacher_forced)
         info.kernels_ran = sorted(c for c, n in calls.items() if n > fallbacks.get(c, [0])[0])
         return Evaluation(outputs, notes, info)
 
@@ -189,7 +189,8 @@ class TraceKind(KindBase):
     def gate_tensor(self, case: Case, tensor: str) -> str:
         """'<model>/<mode>/<tensor>': each cap gates the trace mode it was measured on, and gate rows
         '<model>/<mode>/step*' (one model config's measurements) win over the shared '*/<mode>/step*' rows
-        (gate_table.TRACES_BY_MODEL)."""
+        (measured.TRACES, keyed by shape set; the runner qualifies the name as
+        '<set>:<model>/<mode>/<tensor>')."""
         return f"{model_name(case)}/{case.params['mode']}/{tensor}"
 
     def is_gated(self, case: Case, tensor: str) -> bool:
@@ -203,7 +204,7 @@ class TraceKind(KindBase):
         return None  # cores are timed in their own cases
 
 
-def _judge_tokens(golden, outputs: dict, budget: float, info: RunInfo) -> None:
+def judge_tokens(golden, outputs: dict, budget: float, info: RunInfo) -> None:
     """Greedy tokens: a near-tie step (golden margin < budget) gets the golden's token (teacher-forced);
     any other difference is a flip, recorded with the step, both ids and the reference's margin."""
     inter, ref = golden.group("inter"), golden.group("outputs")
@@ -230,7 +231,7 @@ def _step_of(name: str) -> int:
     return parsed.step
 
 
-def _forced_notes(precision: str, forced: dict) -> list[str]:
+def forced_notes(precision: str, forced: dict) -> list[str]:
     """The note counting a result's teacher-forced near-ties (none when nothing was forced)."""
     if not (forced["router"] or forced["argmax"]):
         return []

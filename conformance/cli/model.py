@@ -1,13 +1,16 @@
 """`k3conf model info --config k3 --tp 8`: parameters and per-rank memory of a K3 config.
 
 Prints total and active parameters, the weight bytes one rank holds by group (attention, mlp, experts,
-embeddings, norms), MLA cache bytes per token and KDA state bytes per sequence (k3ref.tp.TpPlan).
+embeddings, norms), per rank, and per layer (rank 0, the largest; the last rank where it differs), the
+binding-memory plan (the F32 tensors that get BF16 device copies when bound to the kernels, and their bytes per
+rank: docs/spec.md, "Binding memory"), MLA cache bytes per token and KDA state bytes per sequence
+(k3ref.tp.TpPlan).
 """
 from __future__ import annotations
 
 from conformance.cli.admit import load_config
 from conformance.cli.usage import UsageError
-from k3ref.tp import GROUPS, TpPlan
+from k3ref.tp import BINDING_BF16_COPIES, GLOBAL, GROUPS, TpPlan
 from k3ref.weights import active_parameters, inventory_totals, num_parameters
 
 
@@ -59,7 +62,39 @@ def run_info(args) -> int:
             b = plan.rank_bytes(r)
             print(f"  rank {r:<3} total {b['total']:>18,} B  replicated {b['replicated']:>18,} B  "
                   f"experts {b['experts']:>18,} B  embeddings {b['embeddings']:>14,} B")
+    _print_layers(plan)
+    _print_binding(plan)
     print(f"MLA cache per token (bf16, all {len(cfg.mla_layers)} MLA layers): {plan.kv_bytes_per_token():,} B")
     print(f"KDA state per sequence (fp32, all {len(cfg.kda_layers)} KDA layers): "
           f"{plan.kda_state_bytes_per_sequence():,} B")
     return 0
+
+
+def _layer_kind(cfg, layer: int | str) -> str:
+    if layer == GLOBAL:
+        return "embedding, final norm, lm_head"
+    i = int(layer)
+    return f"{'MLA' if cfg.is_mla(i) else 'KDA'} + {'dense MLP' if cfg.mlp_is_dense(i) else 'LatentMoE'}"
+
+
+def _print_layers(plan: TpPlan) -> None:
+    """Bytes per layer on rank 0 (the largest), by group; the last rank's total where it holds less."""
+    first, last = plan.layer_bytes(0), plan.layer_bytes(plan.tp - 1)
+    print(f"weight bytes per layer, rank 0{f' (rank {plan.tp - 1} where it differs)' if plan.tp > 1 else ''}:")
+    print(f"  {'layer':<8} {'kind':<31} " + " ".join(f"{g:>15}" for g in (*GROUPS, "total")))
+    for layer in sorted(first, key=lambda k: (k == GLOBAL, k if isinstance(k, int) else -1)):
+        row = first[layer]
+        other = last.get(layer, {}).get("total", 0)
+        tail = f"  rank {plan.tp - 1}: {other:,}" if plan.tp > 1 and other != row["total"] else ""
+        print(f"  {layer!s:<8} {_layer_kind(plan.cfg, layer):<31} "
+              + " ".join(f"{row[g]:>15,}" for g in (*GROUPS, "total")) + tail)
+
+
+def _print_binding(plan: TpPlan) -> None:
+    """The binding-memory plan: the BF16 device copies of the F32 tensors the kernels read in bf16, per rank."""
+    print(f"binding memory (BF16 device copies of the F32 {', '.join(BINDING_BF16_COPIES)} of every KDA layer; "
+          "every other tensor is bound as stored):")
+    for r in range(plan.tp):
+        b = plan.binding_bytes(r)
+        print(f"  rank {r:<3} " + "  ".join(f"{t} {b[t]:,} B" for t in BINDING_BF16_COPIES)
+              + f"  total {b['total']:,} B {_gib(b['total']).strip()}")

@@ -7,7 +7,7 @@
     comm.py     the torch.distributed Comm a rank's K3CpuModel calls (k3ref.tp.Comm; gloo or NCCL)
     rank.py     what one rank does: build only its shard, run the k3ref host graph, rank 0 gathers
     tprun.py    the parent's side of `k3conf run --tp N`: gate rank 0's outputs against the TP 1 goldens
-    mutants.py  deliberately wrong TP plans, to show a bad split is caught and named
+    mutants.py  deliberately wrong TP plans and rank-slice kernels, to show a bad split or shard is caught and named
 
 k3ref holds the math and the plan (k3ref.tp); nothing in k3ref imports torch.
 """

@@ -14,13 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import k3cuda
 from conformance import report as rep
 from conformance.cases.catalog import select
 from conformance.session import SessionError, cases_of, check_report_dir, golden_root
-from conformance.tp.launch import TpFailure, check_dist, default_dist
+from conformance.tp.launch import TpFailure, check_dist, default_dist, under_torchrun
 from conformance.tp.lifetime import TpStopped, stop_on_signals
 from conformance.tp.rank import make_plan
-from conformance.tp.tprun import TRACE_KIND, check_plan, execute, run_tp
+from conformance.tp.tprun import DEFAULT_BACKEND, TRACE_KIND, check_plan, execute, merge_reports, run_tp, tp_backend
+from k3ref.tp_weights import check_geometry
+from k3ref.weights import CheckpointReader
 
 T = TypeVar("T")
 
@@ -42,16 +45,27 @@ def _announce(pids: list[int]) -> None:
 
 
 def run_tp_command(args) -> int:
-    """`k3conf run --tp N`: the trace cases on N ranks; exit 0 all pass, 1 a failure or a failed rank."""
+    """`k3conf run --tp N [--backend B ...]`: the trace cases on N ranks, once per backend (default numpy64), each
+    rank calling the backend's cores on its shard; exit 0 all pass, 1 a failure or a failed rank."""
     dist = _common(args)
-    if args.backend and set(args.backend) != {"numpy64"}:
-        raise SessionError("--tp runs the float64 reference cores (numpy64) on every rank; found --backend "
-                           f"{args.backend}")
+    try:   # a misspelt K3_CUDA_* escape is a usage error, whichever backend runs
+        k3cuda.check_env()
+    except ValueError as e:
+        raise SessionError(str(e)) from None
+    backends = list(dict.fromkeys(args.backend or [DEFAULT_BACKEND]))
+    if under_torchrun() and len(backends) > 1:   # a torchrun rank joins its group once
+        raise SessionError(f"--tp under torchrun runs one backend per launch, found --backend {' '.join(backends)}")
+    for name in backends:   # every backend checked before any rank starts
+        try:
+            tp_backend(name, args.tp, dist)
+        except (KeyError, ValueError) as e:
+            raise SessionError(f"--tp {args.tp} --backend {name}: {e.args[0] if isinstance(e, KeyError) else e}") \
+                from None
     traces = cases_of(args.config, TRACE_KIND)
     cases = select(traces, args.cases) if args.cases else traces
     if not cases:
         raise SessionError(f"--tp runs the model traces ({', '.join(c.name for c in traces) or 'none'} in config "
-                         f"{args.config!r}); no trace case matches {args.cases}")
+                           f"{args.config!r}); no trace case matches {args.cases}")
     try:
         check_plan(args.config, args.tp, args.tp_mutant)
     except ValueError as e:
@@ -59,9 +73,13 @@ def run_tp_command(args) -> int:
     root = golden_root(args.golden, args.config)
     check_report_dir(args.report)
     command = f"k3conf run --tp {args.tp}"
-    report, failed = _on_ranks(command, lambda: run_tp(cases, root, config=args.config, tp=args.tp, dist=dist,
-                                                        timeout=args.tp_timeout, mutant=args.tp_mutant,
-                                                        on_start=_announce))
+
+    def start():
+        reports = [run_tp(cases, root, config=args.config, tp=args.tp, dist=dist, timeout=args.tp_timeout,
+                          mutant=args.tp_mutant, on_start=_announce, backend=name) for name in backends]
+        return None if any(r is None for r in reports) else merge_reports(reports)
+
+    report, failed = _on_ranks(command, start)
     if failed is not None:
         return failed
     if report is None:          # a torchrun rank other than 0: rank 0 reports
@@ -87,9 +105,14 @@ def decode_tp_command(args, cfg, prompt: list[int]) -> int:
     """`k3conf decode --tp N`: greedy decode on N ranks; prints the tokens (rank 0)."""
     dist = _common(args)
     try:
-        make_plan(cfg, args.tp, None)
+        plan = make_plan(cfg, args.tp, None)
     except ValueError as e:
         raise SessionError(f"--tp {args.tp}: {e}") from None
+    if args.checkpoint:   # the whole geometry, from the headers, once, before any rank allocates
+        try:
+            check_geometry(plan, CheckpointReader(args.checkpoint).entries)
+        except (ValueError, OSError) as e:
+            raise SessionError(f"--checkpoint {args.checkpoint}: {e}") from None
     job = {"kind": "decode", "tp": args.tp, "dist": dist, "timeout": args.tp_timeout,
            "config_json": json.loads(json.dumps(dataclasses.asdict(cfg))),
            "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None, "seed": args.seed,
@@ -101,6 +124,8 @@ def decode_tp_command(args, cfg, prompt: list[int]) -> int:
         return 0
     for row in result["ranks"]["decode"]:
         print(f"rank {row['rank']} (pid {row['pid']}): read {row['bytes_read']:,} B, holds {row['resident']:,} B "
-              f"of weights; plan {row['plan_bytes']:,} B ({row['plan_replicated']:,} B replicated)", file=sys.stderr)
+              f"of weights, its routed experts ({row['mapped']:,} B) served from the mapping "
+              f"({row['copied_experts']} expert tensors copied); plan {row['plan_bytes']:,} B "
+              f"({row['plan_replicated']:,} B replicated)", file=sys.stderr)
     print(",".join(map(str, result["tokens"])))
     return 0

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3ref.expert_backend import MmapExpertStore
 from k3ref.safetensors_io import numpy_dtype
 from k3ref.tp import TpPlan
 from k3ref.tp_weights import ShardBytes, SliceReader, read_rank_shard
@@ -165,18 +166,19 @@ def _map_files(reader: SliceReader, entries: Mapping[str, HeaderEntry]) -> list[
 
 
 def measured_shard(plan: TpPlan, rank: int, entries: Mapping[str, HeaderEntry], *, prefix: str = "",
-                   reader: SliceReader | None = None,
-                   itemsize: Callable[[str], int] | None = None) -> tuple[dict[str, np.ndarray], ShardBytes]:
+                   reader: SliceReader | None = None, itemsize: Callable[[str], int] | None = None,
+                   experts: MmapExpertStore | None = None) -> tuple[Mapping[str, np.ndarray], ShardBytes]:
     """`read_rank_shard` with `ShardBytes.read` measured by the kernel; OverRead when the rank read more than
     its plan's bytes (`plan.rank_bytes(rank, itemsize)["total"]`). Where the kernel has no counters the
-    reader's own count stays (and nothing is checked)."""
+    reader's own count stays (and nothing is checked). experts: the store that serves the rank's routed
+    experts from its mappings (none of their bytes is read here; see read_rank_shard)."""
     reader = reader if reader is not None else MeasuredReader()
     if not measurable():
-        return read_rank_shard(plan, rank, entries, prefix=prefix, reader=reader)
+        return read_rank_shard(plan, rank, entries, prefix=prefix, reader=reader, experts=experts)
     spans = _map_files(reader, entries)
     before = ReadCounters.before(spans)
     try:
-        shard, cost = read_rank_shard(plan, rank, entries, prefix=prefix, reader=reader)
+        shard, cost = read_rank_shard(plan, rank, entries, prefix=prefix, reader=reader, experts=experts)
     finally:
         if isinstance(reader, MeasuredReader):
             reader.close()

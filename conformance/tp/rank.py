@@ -4,12 +4,16 @@
 
 A job is a JSON object: kind ("trace" | "decode"), tp, dist, timeout, workdir, and the kind's fields. Rank 0
 returns (and, as a child, writes to workdir/result.safetensors + result.json) what the comparison needs:
-- trace: per case the outputs the TP 1 trace names (the KDA state all-gathered by heads; every other output
-  is replicated after its all-reduce), plus `tp.partial.NNNN` [tp, ...]: every rank's input to each
-  all-reduce, in call order, so a failure can be pinned on the rank whose partial sum is wrong;
+- trace: per case, run with the cores of the job's backend (by its registry name) at its precision, the
+  outputs the TP 1 trace names (the KDA state all-gathered by heads; every other output is replicated after
+  its all-reduce), plus `tp.partial.NNNN` [tp, ...]: every rank's input to each all-reduce, in call order, so
+  a failure can be pinned on the rank whose partial sum is wrong; `tp.info` [tp, ...]: per rank the calls of
+  each core and its fallbacks to the reference, the teacher-forced router choices and the routed-expert bytes
+  its store handed out; `tp.note`: rank 0's fallback reasons (UTF-8 bytes);
 - decode: the greedy tokens.
 Every rank reports its pid, the bytes it read (as the kernel counts them: conformance.tp.measure; a rank that
-read more than its shard fails) and holds, and the plan's bytes for it (`tp.ranks`).
+read more than its shard fails) and holds, its routed experts' bytes served from the mapping (none copied),
+and the plan's bytes for it (`tp.ranks`).
 """
 from __future__ import annotations
 
@@ -24,22 +28,28 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from conformance.backends.registry import get_backend
-from conformance.cases.trace_run import GoldenFeed, Stepper, guard_kernels
+from conformance.cases.inputs import cast_weights
+from conformance.cases.trace_run import GoldenFeed, RouterTap, Stepper, compute_dtype, forcing_budgets, guard_kernels
 from conformance.golden.store import golden_path
+from conformance.isolation.guard import guard_cores
+from conformance.runner import IN_PROCESS
 from conformance.tp.comm import CollectiveError, TorchComm
 from conformance.tp.launch import error_path, init_group
 from conformance.tp.lifetime import PARENT_ENV, die_with_parent
 from conformance.tp.measure import measured_shard
 from conformance.tp.mutants import plan_mutant
 from k3ref.config import K3Config
+from k3ref.cores import CORE_NAMES
 from k3ref.cpu_forward import K3CpuModel
+from k3ref.expert_backend import MmapExpertStore
 from k3ref.greedy import greedy_decode
 from k3ref.safetensors_io import ITEMSIZE  # the golden stores bf16 weights as exact F32: bytes by its dtype
 from k3ref.tp import TpPlan
-from k3ref.tp_weights import SliceReader, synthetic_rank_shard
+from k3ref.tp_weights import PrefixedCheckpoint, ShardWeights, SliceReader, synthetic_rank_shard
 from k3ref.weights import CheckpointReader, read_header
 
-RANK_FIELDS = ("rank", "pid", "bytes_read", "resident", "plan_bytes", "plan_replicated", "tensors")
+RANK_FIELDS = ("rank", "pid", "bytes_read", "resident", "plan_bytes", "plan_replicated", "tensors", "copied_experts",
+               "mapped")
 
 
 def make_plan(cfg, tp: int, mutant: str | None):
@@ -50,8 +60,8 @@ def make_plan(cfg, tp: int, mutant: str | None):
 
 def _rank_row(rank: int, cost, plan, itemsize=None) -> np.ndarray:
     b = plan.rank_bytes(rank, itemsize)
-    return np.array([rank, os.getpid(), cost.read, cost.resident, b["total"], b["replicated"], cost.tensors],
-                    np.int64)
+    return np.array([rank, os.getpid(), cost.read, cost.resident, b["total"], b["replicated"], cost.tensors,
+                     cost.copied_experts, cost.mapped], np.int64)
 
 
 def _gather_ranks(comm, row: np.ndarray) -> list[dict]:
@@ -73,8 +83,23 @@ def kda_slices(inter: dict, plan, rank: int, head_dim: int) -> dict:
     return out
 
 
+def rank_cores(backend, where: list[str]):
+    """(the cores this rank runs, calls, fallbacks): the backend's, each kernel core falling back to the reference
+    on UnsupportedShape (counted, as in one process), and for any backend but the built-in NumPy references every
+    core call on its own copies of the inputs, checked for writes (conformance.isolation.guard); `where` holds
+    the core a call is in while it runs (emptied when it returns), so what a core raises can be named."""
+    def on_event(event: str, core: str) -> None:
+        where[:] = [core] if event == "enter" else []
+
+    cores = backend.cores()
+    if backend.name not in IN_PROCESS:
+        cores = guard_cores(cores, on_event)
+    return guard_kernels(cores, backend.kernel_cores())
+
+
 def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list[dict]]:
-    """One trace case on this rank: (rank 0: outputs by name, else None; every rank's byte row)."""
+    """One trace case on this rank with the job's backend: (rank 0: outputs by name plus `tp.info` and
+    `tp.note`, else None; every rank's byte row)."""
     cfg = K3Config.preset(job["model"][case])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
     path = golden_path(Path(job["golden_root"]), case)
@@ -83,26 +108,42 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     def itemsize(name: str) -> int:
         return ITEMSIZE[entries["weights." + name].dtype]
 
-    shard, cost = measured_shard(plan, rank, entries, prefix="weights.", itemsize=itemsize)
+    store = MmapExpertStore(PrefixedCheckpoint(entries, "weights.", path))
+    shard, cost = measured_shard(plan, rank, entries, prefix="weights.", itemsize=itemsize, experts=store)
+    if not isinstance(shard, ShardWeights):
+        raise TypeError(f"rank {rank}: expected the shard served by its expert store, found {type(shard).__name__}")
     row = _rank_row(rank, cost, plan, itemsize)
     backend = get_backend(job.get("backend", "numpy64"))
-    dtype = np.float64 if backend.precision == "fp64" else np.float32
+    p = backend.precision
     comm.record = []
-    model = K3CpuModel(plan.local_config(), shard, dtype, tp=plan.rank(rank, comm))
+    shard.dense = cast_weights(shard.dense, p)   # the experts stay U8 views of the mapping
+    model = K3CpuModel(plan.local_config(), shard, compute_dtype(p), tp=plan.rank(rank, comm))
     inputs = SliceReader()   # the golden tokens and layer inputs: not weights, not counted as shard bytes
     tokens = inputs.copy(inputs.view("inputs.tokens", entries["inputs.tokens"]))
+    inter = {k[len("inter."):]: inputs.copy(inputs.view(k, h)) for k, h in entries.items() if k.startswith("inter.")}
     feed = None
     if job["mode"][case] == "layerwise":
-        inter = {k[len("inter."):]: inputs.view(k, h) for k, h in entries.items() if k.startswith("inter.")}
-        feed = GoldenFeed(kda_slices(inter, plan, rank, cfg.kda_head_dim), backend.precision)
-    cores, _, _ = guard_kernels(backend.cores(), backend.kernel_cores())
-    out = Stepper(model, cores, feed, prompt_len=job["prompt"][case]).run(tokens)
+        feed = GoldenFeed(kda_slices(inter, plan, rank, cfg.kda_head_dim), p)
+    where: list[str] = []
+    cores, calls, fallbacks = rank_cores(backend, where)
+    tap = RouterTap(cores.moe_route, inter, forcing_budgets(p).get("router", 0.0))
+    try:
+        out = Stepper(model, cores, feed, tap, prompt_len=job["prompt"][case]).run(tokens)
+    except CollectiveError:
+        raise
+    except Exception as e:
+        inside = f" in core {where[-1]} of backend {backend.name}" if where else ""
+        raise RuntimeError(f"rank {rank}: {case}{inside}: {type(e).__name__}: {e}") from e
     partials, comm.record = comm.record, None
     for name in sorted(out):
         if name.endswith("7_cache") and not cfg.is_mla(int(name.split(".layer")[1][:2])):
             out[name] = np.concatenate(list(comm.all_gather(out[name])), axis=1)   # [1, H, K, V] by heads
-    for i, p in enumerate(partials):
-        out[f"tp.partial.{i:04d}"] = comm.all_gather(p)
+    for i, partial in enumerate(partials):
+        out[f"tp.partial.{i:04d}"] = comm.all_gather(partial)
+    counts = [calls.get(c, 0) for c in CORE_NAMES] + [fallbacks.get(c, [0])[0] for c in CORE_NAMES]
+    out["tp.info"] = comm.all_gather(np.array(counts + [tap.forced, store.bytes_touched], np.int64))
+    why = "; ".join(f"{c}: {w}" for c, (_, w) in sorted(fallbacks.items()))
+    out["tp.note"] = np.frombuffer(why.encode(), np.uint8).copy()
     return (out if rank == 0 else None), _gather_ranks(comm, row)
 
 
@@ -122,7 +163,8 @@ def run_decode(job: dict, rank: int, comm) -> dict | None:
     cfg = K3Config.from_json(job["config_json"])
     plan = make_plan(cfg, job["tp"], job.get("mutant"))
     if job.get("checkpoint"):
-        shard, cost = measured_shard(plan, rank, CheckpointReader(job["checkpoint"]).entries)
+        reader = CheckpointReader(job["checkpoint"])
+        shard, cost = measured_shard(plan, rank, reader.entries, experts=MmapExpertStore(reader))
     else:
         shard, cost = synthetic_rank_shard(plan, rank, job["seed"])
     row = _rank_row(rank, cost, plan)

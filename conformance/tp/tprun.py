@@ -1,11 +1,14 @@
-"""`k3conf run --tp N`: the model traces on N ranks, gated against the same goldens as TP 1.
+"""`k3conf run --tp N --backend B`: the model traces on N ranks with B's cores, gated against the TP 1 goldens.
 
 The parent (or rank 0 under torchrun) reads the goldens, refuses an impossible plan before any process
-starts, runs the ranks (conformance.tp.launch), and gates rank 0's outputs through the runner's own
-per-case code (`runner.Runner.run_one`), so a TP result reads like any other row of the report; the
-backend column says `numpy64-tp<N>`. Each result's notes list every rank: pid, bytes read from the golden
-file, bytes held, and the plan's bytes for that rank. When a tensor fails, the rank whose partial sum at
-that layer differs from its share of the golden is named (`blame`).
+starts, runs the ranks (conformance.tp.launch; each rank builds B by its name and calls B's cores on its
+shard's shapes: H / N heads), and gates rank 0's outputs through the runner's own per-case code
+(`runner.Runner.run_one`) at B's precision, so a TP result reads like any other row of the report; the
+backend column says `<B>-tp<N>`. Below fp64 the bound is the precision's baseline (numpy32, torch-bf16) on the
+same case at TP 1, as for one process. Each result's notes list every rank: pid, bytes read from the golden
+file, bytes held, the routed-expert bytes served from the mapping, and the plan's bytes for that rank. When
+a tensor fails, the rank whose partial sum at that layer differs from its share of the golden is named
+(`blame`).
 """
 from __future__ import annotations
 
@@ -15,38 +18,63 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from conformance import runner as _runner
-from conformance.backends.protocol import BackendBase
-from conformance.cases.protocol import Evaluation
-from conformance.cases.traces import PROMPT, model_name
+from conformance.backends.protocol import BackendBase, WholeModelBackend
+from conformance.backends.registry import get_backend
+from conformance.cases.protocol import Evaluation, RunInfo
+from conformance.cases.trace_run import check_forced, forcing_budgets
+from conformance.cases.traces import PROMPT, forced_notes, judge_tokens, model_name
+from conformance.golden.errors import GoldenError
 from conformance.tp.blame import blame_ranks
 from conformance.tp.launch import TpFailure, check_dist, spawn, under_torchrun
 from conformance.tp.lifetime import TpStopped
 from conformance.tp.rank import make_plan, read_result, run_job
 from k3ref.config import K3Config
-from k3ref.cores import Cores, reference_cores
+from k3ref.cores import CORE_NAMES, Cores
 
 TRACE_KIND = "trace"
+DEFAULT_BACKEND = "numpy64"
 
 
 @dataclasses.dataclass
 class TpBackend(BackendBase):
-    """The row label of a TP run: the reference cores at float64 on `tp` ranks (which run them; this process
-    only gates rank 0's outputs)."""
+    """The row of a TP run: backend `inner` (built by its name `spec`) on `tp` ranks, which run its cores; this
+    process only gates rank 0's outputs, at the inner backend's precision."""
 
+    inner: BackendBase
+    spec: str
     tp: int
     dist: str
-    precision: str = "fp64"
+    precision: str = dataclasses.field(init=False)
     name: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = f"numpy64-tp{self.tp}"
+        self.name, self.precision = f"{self.inner.name}-tp{self.tp}", self.inner.precision
 
     def available(self) -> tuple[bool, str]:
-        return True, f"{self.tp} ranks over torch.distributed ({self.dist})"
+        ok, why = self.inner.available()
+        return ok, f"{self.tp} ranks over torch.distributed ({self.dist}), each running {self.inner.name}: {why}"
 
     def cores(self) -> Cores:
-        return reference_cores()
+        return self.inner.cores()
+
+    def kernel_cores(self) -> frozenset[str]:
+        return self.inner.kernel_cores()
+
+
+def tp_backend(spec: str, tp: int, dist: str) -> TpBackend:
+    """The TP row of backend `spec`; ValueError when it cannot run on ranks: a whole-model backend runs the trace
+    by its own wiring (no cores for a rank to call on its shard), or one unavailable here."""
+    inner = get_backend(spec)
+    if isinstance(inner, WholeModelBackend):
+        raise ValueError(f"backend {spec} runs whole traces by its own wiring: --tp needs a backend of cores, "
+                         "which each rank calls on its shard")
+    ok, why = inner.available()
+    if not ok:
+        raise ValueError(f"backend {spec} cannot run here: {why}")
+    return TpBackend(inner, spec, tp, dist)
 
 
 @dataclasses.dataclass
@@ -67,10 +95,17 @@ class _TpRunner(_runner.Runner):
         self.tp_outputs = outputs
 
     def evaluate(self, case, golden, backend):
-        return self.tp_outputs[case.name]
+        """The ranks' outputs for the TP row; any other backend (the precision's baseline) runs as in one process."""
+        if isinstance(backend, TpBackend):
+            return self.tp_outputs[case.name]
+        return super().evaluate(case, golden, backend)
 
     def baseline_errors(self, case, golden, precision):
-        return None, None        # fp64 rows are absolute bounds: no baseline
+        """The precision's baseline on the same case at TP 1, run as one process runs it (fp64: none)."""
+        return _runner.Runner.baseline_errors(self, case, golden, precision)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def check_plan(config: str, tp: int, mutant: str | None = None):
@@ -80,7 +115,8 @@ def check_plan(config: str, tp: int, mutant: str | None = None):
 
 def _rank_notes(rows: list[dict], source: str) -> list[str]:
     return [f"rank {r['rank']} (pid {r['pid']}): read {r['bytes_read']:,} B of {source}, holds {r['resident']:,} B "
-            f"of weights; plan for this rank {r['plan_bytes']:,} B ({r['plan_replicated']:,} B replicated)"
+            f"of weights, its routed experts ({r['mapped']:,} B) served from the mapping ({r['copied_experts']} "
+            f"copied); plan for this rank {r['plan_bytes']:,} B ({r['plan_replicated']:,} B replicated)"
             for r in rows]
 
 
@@ -101,17 +137,18 @@ def execute(job: dict, workdir: Path | None = None, on_start=None) -> dict:
 
 
 def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float, mutant: str | None = None,
-           workdir: Path | None = None, on_start=None):
-    """Run the trace `cases` on `tp` ranks; a RunReport (rank 0), or None on the other torchrun ranks."""
+           workdir: Path | None = None, on_start=None, backend: str = DEFAULT_BACKEND):
+    """Run the trace `cases` on `tp` ranks with the cores of `backend` (a name get_backend knows); a RunReport
+    (rank 0), or None on the other torchrun ranks."""
     check_dist(dist, tp)
     check_plan(config, tp, mutant)
     t0 = time.perf_counter()
-    backend = TpBackend(tp, dist)
-    cases, results = _splittable(cases, tp, mutant, backend)
+    row_backend = tp_backend(backend, tp, dist)
+    cases, results = _splittable(cases, tp, mutant, row_backend)
     runner = _TpRunner(root, config, {})   # rank 0 reads (and checks) the goldens after the run, to gate
     job = {"kind": "trace", "tp": tp, "dist": dist, "timeout": timeout, "config": config, "golden_root": str(root),
            "cases": [c.name for c in cases], "mode": {c.name: c.params["mode"] for c in cases}, "mutant": mutant,
-           "model": {c.name: model_name(c) for c in cases},
+           "model": {c.name: model_name(c) for c in cases}, "backend": backend,
            "prompt": {c.name: c.params.get("prompt", len(PROMPT)) for c in cases}}
     result = execute(job, workdir, on_start) if cases else {"tensors": {}, "ranks": {}}
     if not result:
@@ -120,16 +157,67 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
     for key, v in result["tensors"].items():
         case, name = key.split("::", 1)
         per_case[case][name] = v
-    for case in cases:
-        outs = per_case[case.name]
-        runner.tp_outputs[case.name] = Evaluation(outs, _rank_notes(result["ranks"][case.name], f"golden/{case.name}"))
-        res = runner.run_one(case, backend)
-        if res.status == "fail":
-            res.notes.extend(blame(case, runner.golden(case), outs, tp))
-        results.append(res)
-    ok, why = backend.available()
-    row = {"name": backend.name, "precision": backend.precision, "available": ok, "reason": why}
+    try:
+        for case in cases:
+            outs = per_case[case.name]
+            golden = runner.golden(case)
+            if not isinstance(golden, GoldenError):   # else run_one reports the broken golden
+                runner.tp_outputs[case.name] = rank_evaluation(golden, outs, row_backend, _rank_notes(
+                    result["ranks"][case.name], f"golden/{case.name}"))
+            res = runner.run_one(case, row_backend)
+            if res.status == "fail":
+                res.notes.extend(blame(case, golden, outs, tp, row_backend.precision))
+            results.append(res)
+    finally:
+        runner.close()
+    ok, why = row_backend.available()
+    row = {"name": row_backend.name, "precision": row_backend.precision, "available": ok, "reason": why,
+           "backend": backend, "isolation": ISOLATION_NOTE, "must_judge": True}   # a run that judged nothing fails
     return TpRunReport(config, [row], results, time.perf_counter() - t0, {}, ranks=result["ranks"])
+
+
+ISOLATION_NOTE = ("in its rank processes: each core call on its own copies of the inputs, checked for writes; a "
+                  "crash or exit names the rank, a hang ends at the collective timeout")
+
+
+def rank_evaluation(golden, outs: dict, backend: TpBackend, rank_notes: list[str]) -> Evaluation:
+    """What the ranks returned for one case, as the trace kind's own evaluation reads: the traced tensors, the
+    notes (every rank's bytes; the cores that ran the reference instead, on which rank), the greedy tokens
+    judged against the golden's near-ties, and which kernels ran (on any rank)."""
+    info_rows = np.asarray(outs.get("tp.info", np.zeros((0, 2 * len(CORE_NAMES) + 2), np.int64)))
+    why = bytes(np.asarray(outs.get("tp.note", np.zeros(0, np.uint8)), np.uint8)).decode()
+    outs = {k: v for k, v in outs.items() if not k.startswith("tp.")}   # the partials stay for blame
+    n = len(CORE_NAMES)
+    own = backend.kernel_cores()
+    notes = list(rank_notes)
+    notes += [f"{core}: k3ref's reference core ran (not a kernel core of {backend.inner.name})"
+              for core in CORE_NAMES if core not in own]
+    ran = set()
+    for r, row in enumerate(info_rows):
+        calls, falls = row[:n], row[n:2 * n]
+        ran |= {c for c, k, f in zip(CORE_NAMES, calls, falls, strict=True) if k > f}
+        for c, k, f in zip(CORE_NAMES, calls, falls, strict=True):
+            if f:
+                notes.append(f"rank {r}: {c}: k3ref's reference core ran instead on {f} of {k} call(s)"
+                             + (f" (UnsupportedShape on rank 0: {why})" if r == 0 and why else ""))
+        notes.append(f"rank {r}: routed-expert bytes handed out by its memory-mapped store: {int(row[2 * n + 1]):,}")
+    forced = int(info_rows[:, 2 * n].sum()) if len(info_rows) else 0
+    info = RunInfo(teacher_forced={"router": forced, "argmax": 0})
+    judge_tokens(golden, outs, forcing_budgets(backend.precision).get("argmax", 0.0), info)
+    check_forced(backend.precision, info.teacher_forced)
+    notes += forced_notes(backend.precision, info.teacher_forced)
+    info.kernels_ran = sorted(ran)
+    return Evaluation(outs, notes, info)
+
+
+def merge_reports(reports: list[TpRunReport]) -> TpRunReport:
+    """One report of the runs of several backends (their rows, results and rank rows, by backend)."""
+    first = reports[0]
+    if len(reports) == 1:
+        return first
+    ranks = {f"{r.backends[0]['name']}::{case}": rows for r in reports for case, rows in r.ranks.items()}
+    return TpRunReport(first.config, [b for r in reports for b in r.backends], [x for r in reports for x in r.results],
+                       sum(r.wall_seconds for r in reports), {}, ranks=ranks)
 
 
 def _splittable(cases, tp: int, mutant: str | None, backend):
@@ -146,9 +234,9 @@ def _splittable(cases, tp: int, mutant: str | None, backend):
     return keep, skipped
 
 
-def blame(case, golden, outs: dict, tp: int) -> list[str]:
+def blame(case, golden, outs: dict, tp: int, precision: str = "fp64") -> list[str]:
     """Which rank's partial sum is wrong at the first failing layer (layerwise traces; [] when unknown)."""
     try:
-        return blame_ranks(case, golden, outs, tp)
+        return blame_ranks(case, golden, outs, tp, precision)
     except Exception as e:  # noqa: BLE001 - attribution is a hint on a failure already reported
         return [f"could not attribute the failure to a rank: {type(e).__name__}: {e}"]

@@ -83,8 +83,9 @@ def test_tp_report_lists_every_rank_its_process_and_bytes(tp_run):
 
 
 def test_no_rank_reads_or_holds_more_than_its_shard(tp_run):
-    """Held bytes are exactly the plan's for that rank (the golden stores weights as F32 / U8); bytes read
-    from the file are those minus the A_log zero padding; each is below the whole file's weights."""
+    """Held bytes are exactly the plan's dense bytes for that rank (the golden stores weights as F32 / U8), its
+    routed experts served from the mapping (none copied); bytes read from the file are those minus the A_log
+    zero padding; each is below the whole file's weights."""
     tp, _, rep = tp_run
     plan = TpPlan(K3Config.preset("tiny"), tp)
     whole = TpPlan(K3Config.preset("tiny"), 1).rank_bytes(0, _golden_itemsize)["total"]
@@ -92,8 +93,9 @@ def test_no_rank_reads_or_holds_more_than_its_shard(tp_run):
         for r in rep["tp_ranks"][case]:
             want = plan.rank_bytes(r["rank"], _golden_itemsize)
             assert r["plan_bytes"] == want["total"] and r["plan_replicated"] == want["replicated"]
-            assert r["resident"] == want["total"]
-            assert want["replicated"] < r["bytes_read"] <= want["total"] < whole
+            assert r["resident"] == want["total"] - want["experts"] and r["mapped"] == want["experts"] > 0
+            assert r["copied_experts"] == 0
+            assert want["replicated"] < r["bytes_read"] <= want["total"] - want["experts"] < whole
 
 
 def _golden_itemsize(name: str) -> int:
