@@ -313,6 +313,14 @@ def _poisoned(shape: tuple, dtype) -> np.ndarray:
     return np.full(shape, np.nan, dtype) if dtype.kind == "f" else np.full(shape, -1).astype(dtype)
 
 
+def _full_grid(spec: KernelSpec, entry: str, grid) -> tuple[int, ...]:
+    """(gx, gy, gz) from a grid of 1 to 3 dimensions; ValueError for an empty dimension, as on a GPU."""
+    full = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    if min(full) < 1:
+        raise ValueError(f"{spec.block}/{entry}: grid {full} has an empty dimension")
+    return full
+
+
 # (block, entry) -> launches run by the emulation in this process: tests read it to prove that a kernel entry
 # ran (a core that quietly fell back to its reference would leave no count).
 EMULATED_LAUNCHES: collections.Counter = collections.Counter()
@@ -343,9 +351,7 @@ class cpu_emulation:
                 raise ValueError(f"{spec.block}/{entry}: {shared} bytes of dynamic shared memory, the most a block "
                                  f"can have is {emu_sanitize.DYN_SHARED_MAX}")
             e = spec.entry(entry)
-            grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-            if min(grid) < 1:
-                raise ValueError(f"{spec.block}/{entry}: grid {grid} has an empty dimension")
+            grid = _full_grid(spec, entry, grid)
             if spec not in libs:
                 libs[spec] = emulator_library(spec)
             fn = getattr(libs[spec], f"emu_{entry}")
@@ -366,19 +372,8 @@ class cpu_emulation:
         def poison(a):
             a.a[...] = np.nan
 
-        patches = {
-            "bind": bind,
-            "launch": lambda spec, entry, grid, args, shared=0: bind(spec, entry, grid, args, shared)(),
-            "to_device": lambda a, dtype=np.float32: HostArray(np.ascontiguousarray(a, dtype=dtype)),
-            "empty_poisoned": empty_poisoned,
-            "poison": poison,
-            "multiprocessor_count": lambda: self.SM_COUNT,
-        }
-        self._runtime = runtime
-        self._saved = {name: getattr(runtime, name) for name in patches}
-        for name, fn in patches.items():
-            setattr(runtime, name, fn)
-        return self
+        return self._install(bind, lambda a, dtype=np.float32: HostArray(np.ascontiguousarray(a, dtype=dtype)),
+                             empty_poisoned, poison)
 
     def _enter_checked(self) -> cpu_emulation:
         libs: dict[KernelSpec, tuple] = {}
@@ -387,9 +382,7 @@ class cpu_emulation:
 
         def bind(spec, entry, grid, args, shared=0):
             spec.entry(entry)
-            grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-            if min(grid) < 1:
-                raise ValueError(f"{spec.block}/{entry}: grid {grid} has an empty dimension")
+            grid = _full_grid(spec, entry, grid)
             if spec not in libs:
                 libs[spec] = emu_sanitize.checked_library(spec)
             checked = libs[spec]
@@ -416,6 +409,10 @@ class cpu_emulation:
             else:
                 a.a[...] = np.nan
 
+        return self._install(bind, to_device, empty_poisoned, poison)
+
+    def _install(self, bind, to_device, empty_poisoned, poison) -> cpu_emulation:
+        """Put one mode's buffer and launch functions in place of k3cuda.runtime's (restored by __exit__)."""
         patches = {
             "bind": bind,
             "launch": lambda spec, entry, grid, args, shared=0: bind(spec, entry, grid, args, shared)(),

@@ -522,10 +522,17 @@ def synthetic_checkpoint(cfg: K3Config, seed: int, out_dir: str | os.PathLike,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     specs = inventory(cfg)
+    _write_shards(out, cfg, specs, stored_tensors(cfg, seed, specs), seed, shard_bytes)
+    return out
+
+
+def _write_shards(out: Path, cfg: K3Config, specs: list[TensorSpec], stream: Iterator, seed: int,
+                  shard_bytes: int) -> None:
+    """Write `stream`'s tensors (in the order of `specs`) into shards of about shard_bytes, then the index and
+    config.json, each file renamed into place."""
     shards = _plan_shards(specs, shard_bytes)
     n = len(shards)
     weight_map = {}
-    stream = stored_tensors(cfg, seed, specs)
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{n:05d}.safetensors"
         items = (next(stream) for _ in shard)
@@ -536,7 +543,6 @@ def synthetic_checkpoint(cfg: K3Config, seed: int, out_dir: str | os.PathLike,
     tmp.write_text(json.dumps(index, indent=2) + "\n")
     os.replace(tmp, out / INDEX_FILE)
     cfg.save(out / "config.json")
-    return out
 
 
 # synth_checkpoint draws large float tensors in row blocks of this many elements (64 MiB of float32).
@@ -583,18 +589,7 @@ def synth_checkpoint(cfg: K3Config, out_dir: str | os.PathLike, *, layers: Itera
     partial = parent / f".{out.name}.partial-{os.getpid()}"
     partial.mkdir()
     try:
-        shards = _plan_shards(specs, shard_bytes)
-        n = len(shards)
-        weight_map = {}
-        stream = _synth_items(cfg, seed, specs)
-        for k, shard in enumerate(shards, 1):
-            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-            items = (next(stream) for _ in shard)
-            _write_safetensors(partial / fname, items, shard, {"format": "np", "seed": str(seed)})
-            weight_map.update({s.name: fname for s in shard})
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        cfg.save(partial / "config.json")
+        _write_shards(partial, cfg, specs, _synth_items(cfg, seed, specs), seed, shard_bytes)
         if out.exists():
             out.rmdir()   # empty (checked above): rename needs the name free
         os.rename(partial, out)
