@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import attnres, kda, latent_moe, mla, mxfp4, ops, situ
+from . import attnres, engine, kda, latent_moe, mla, mxfp4, ops, situ
 
 CORE_NAMES = (
     "rmsnorm",       # (x [..., D], w [D], eps) -> [..., D]
@@ -24,7 +24,24 @@ CORE_NAMES = (
     "moe_route",     # sigmoid top-k router
     "attnres_mix",   # Block AttnRes softmax mix over depth sources
     "attnres_hub",   # factory of the per-token AttnRes block state (block boundaries)
+    # engine-shaped cores (k3ref.engine): the same math in the layouts serving engines hold
+    "kda_decode_pool",     # kda_decode over a state pool indexed by slot, padded rows (slot -1) skipped
+    "kda_conv_pool",       # one step of the short conv + SiLU over a conv-state pool
+    "kda_prefill_varlen",  # kda_prefill of sequences packed on one time axis (cu_seqlens), states in a pool
+    "mla_decode_fp8",      # mla_decode over an FP8 (e4m3) latent cache with per-group scales, padded rows
+    "mla_prefill",         # causal varlen attention of the new tokens (the unabsorbed prefill)
+    "moe_experts",         # the routed experts fused: ids + weights -> all selected MXFP4 experts -> weighted sum
+    "add_rmsnorm",         # the residual add fused into the RMSNorm
 )
+ENGINE_CORES = CORE_NAMES[CORE_NAMES.index("kda_decode_pool"):]
+
+# Inputs a core may write: engines update their state pools in place. The updated pool is also an output, so a
+# core may return the array it was given; every other input must stay unchanged.
+IN_OUT: dict[str, tuple[str, ...]] = {
+    "kda_decode_pool": ("state_pool",),
+    "kda_conv_pool": ("conv_pool",),
+    "kda_prefill_varlen": ("state_pool",),
+}
 
 
 class UnsupportedShape(ValueError):
@@ -51,6 +68,14 @@ class Cores:
     moe_route: Callable[..., Any]
     attnres_mix: Callable[..., Any]
     attnres_hub: Callable[..., Any]
+    # the engine-shaped cores default to k3ref's: a bundle built before they existed stays complete
+    kda_decode_pool: Callable[..., Any] = engine.kda_decode_pool
+    kda_conv_pool: Callable[..., Any] = engine.kda_conv_pool
+    kda_prefill_varlen: Callable[..., Any] = engine.kda_prefill_varlen
+    mla_decode_fp8: Callable[..., Any] = engine.mla_decode_fp8
+    mla_prefill: Callable[..., Any] = engine.mla_prefill
+    moe_experts: Callable[..., Any] = engine.moe_experts
+    add_rmsnorm: Callable[..., Any] = engine.add_rmsnorm
 
     def replace(self, **swaps: Callable[..., Any]) -> Cores:
         unknown = sorted(set(swaps) - set(CORE_NAMES))

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import mxfp4
 from .checks import as_float, check_shape, require
+from .engine import moe as engine_moe
 from .fast import latent_moe as moe_fast
 from .ops import linear, rmsnorm, sigmoid
 from .situ import situ_glu, situ_glu_vec
@@ -193,7 +194,7 @@ def _cores(cores):
     so this module does not import it)."""
     if cores is None:
         return types.SimpleNamespace(moe_route=sigmoid_topk, mxfp4_gemv=mxfp4.mxfp4_gemv, rmsnorm=rmsnorm,
-                                     situ_glu=situ_glu)
+                                     situ_glu=situ_glu, moe_experts=engine_moe.moe_experts)
     return cores
 
 
@@ -222,6 +223,25 @@ def routed_expert(weights: Mapping, e: int, z: np.ndarray, cfg: LatentMoeConfig,
     return _run_expert(_expert_tensors(weights, e, cfg), z, cfg, cores, _gemv_of(cores))
 
 
+def _fused_routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarray, cfg: LatentMoeConfig,
+                          fused: Callable, chosen: list[int]) -> np.ndarray:
+    """y_lat by a backend's fused `moe_experts` kernel, called once for the layer's tokens on the stack of the
+    `chosen` experts only (ids remapped to stack rows, as an engine holding a rank's experts does). A slot whose
+    expert is not chosen (another expert-parallel rank's) gets weight 0 on stack row 0: its term is exactly 0."""
+    idx = np.asarray(idx)
+    if not chosen:
+        return np.zeros_like(z)
+    row = np.zeros(int(idx.max()) + 1, idx.dtype)                    # expert id -> stack row; not chosen -> 0
+    row[chosen] = np.arange(len(chosen))
+    w = np.asarray(w)
+    local_w = np.where(np.isin(idx, chosen), w, 0).astype(w.dtype)
+    y = fused(z, local_w, row[idx], *engine_moe.stack_experts(weights, chosen, cfg), beta=cfg.situ_beta,
+              linear_beta=cfg.linear_beta)
+    out = np.asarray(y).astype(z.dtype, copy=False)
+    check_shape("moe_experts output", out, z.shape)
+    return out
+
+
 def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarray, cfg: LatentMoeConfig,
                    cores=None, experts: range | None = None) -> np.ndarray:
     """y_lat = sum_k w_k E_idx_k(z): every selected expert of a layer in one call, inputs checked once here.
@@ -230,13 +250,17 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     are checked when first read; the gemvs inside run unchecked (the reference core) or through the swapped core.
     experts: the expert ids this rank holds (expert parallelism: the others' terms are left out, the partial
     sums all-reduced by the caller); None = all.
+    A `cores.moe_experts` other than k3ref's (a backend's fused kernel) computes y_lat in one call on the stacked
+    experts (`_fused_routed_experts`); k3ref's own keeps the per-expert path, so the reference is unchanged.
     """
     cores = _cores(cores)
     gemv = _gemv_of(cores)
     z = as_float("z", z)
     check_shape("z", z, (None, cfg.latent_size))
     chosen = [int(e) for e in np.unique(idx) if experts is None or int(e) in experts]
-    if (z.shape[0] == 1 and gemv is mxfp4.mxfp4_gemv_prechecked
+    if cores.moe_experts is not engine_moe.moe_experts:
+        y_lat = _fused_routed_experts(weights, z, w, idx, cfg, cores.moe_experts, chosen)
+    elif (z.shape[0] == 1 and gemv is mxfp4.mxfp4_gemv_prechecked
             and moe_fast.fits_one_batch(len(chosen), cfg.latent_size, cfg.moe_intermediate_size)):
         glu = functools.partial(cores.situ_glu, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)
         outs = moe_fast.one_token_experts({e: _expert_tensors(weights, e, cfg) for e in chosen}, z,

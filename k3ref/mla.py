@@ -21,6 +21,7 @@ import numpy as np
 from . import ops
 from .cache import MlaKv
 from .checks import as_float, check_shape, is_finite_real, is_int_value, require
+from .engine import mla as engine_mla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,9 +338,17 @@ def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaC
     kv = proj(c, "kv_b_proj.weight").reshape(T, H, n + v)
     K = np.concatenate([kv[..., :n], np.broadcast_to(kv_a[:, None, R:], (T, H, r))], axis=-1)  # [T, H, n+r]
     V = kv[..., n:]                                                                     # [T, H, v]
-    s = np.einsum("thd,jhd->htj", q, K) / math.sqrt(n + r)
-    s = np.where(np.tri(T, dtype=bool)[None], s, -np.inf)                               # j <= t
-    o = np.einsum("htj,jhv->thv", ops.softmax(s, axis=-1), V).reshape(T, H * v)
+    prefill = getattr(cores, "mla_prefill", None)
+    if prefill is not None and prefill is not engine_mla.mla_prefill:   # a backend's prefill attention kernel
+        cu = np.array([0, T], np.int32)
+        o, _ = prefill(q, K, V, cu, cu, scale=cfg.softmax_scale)
+        o = as_float("mla_prefill core output", o)
+        check_shape("mla_prefill core output", o, (T, H, v))
+        o = o.astype(X.dtype, copy=False).reshape(T, H * v)
+    else:
+        s = np.einsum("thd,jhd->htj", q, K) / math.sqrt(n + r)
+        s = np.where(np.tri(T, dtype=bool)[None], s, -np.inf)                           # j <= t
+        o = np.einsum("htj,jhv->thv", ops.softmax(s, axis=-1), V).reshape(T, H * v)
     return proj(o * ops.sigmoid(proj(X, "g_proj.weight")), "o_proj.weight")
 
 

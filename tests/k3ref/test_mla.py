@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from k3ref import cores as cores_mod
-from k3ref import mla, ops
+from k3ref import engine, mla, ops
 from k3ref.cache import MlaKv
 from k3ref.cores import CORE_NAMES, Cores
 from tests.support.tolerances import effect, rel_rms, tol
@@ -34,10 +34,12 @@ class Geo:
 
 
 def mla_cores(**swaps) -> Cores:
-    """Reference rmsnorm + mla_decode; every other core fails loudly (MLA must not touch them)."""
+    """Reference rmsnorm + mla_decode (and k3ref's mla_prefill: the expanded form then attends inline); every other
+    core fails loudly (MLA must not touch them)."""
     def unused(*args, **kwargs):
         raise AssertionError("an MLA layer called a core it does not own")
-    fns = {name: unused for name in CORE_NAMES} | {"rmsnorm": ops.rmsnorm, "mla_decode": mla.mla_decode_core}
+    fns = {name: unused for name in CORE_NAMES} | {"rmsnorm": ops.rmsnorm, "mla_decode": mla.mla_decode_core,
+                                                   "mla_prefill": engine.mla_prefill}
     return Cores(**(fns | swaps))
 
 
