@@ -15,8 +15,9 @@ it lives in conformance.backends.pytorch and conformance.backends.torch_model. S
 """
 from __future__ import annotations
 
+from k3torch.bundle import TIMEABLE, all_cores, torch_core
 from k3torch.configuration_k3 import K3Config
-from k3torch.cores import TIMEABLE, TorchCore, all_cores, torch_core
+from k3torch.cores import TorchCore
 from k3torch.loading import CheckpointMismatch, load_checkpoint, load_weights
 from k3torch.modeling_k3 import K3ForCausalLM, Wiring
 from k3torch.trace import GoldenFeed, RouteForcing, build_model, run_trace

@@ -492,7 +492,8 @@ def attnres_mix(p: Precision, sources, proj_w, norm_w, mix, eps) -> torch.Tensor
 # assembly
 # ---------------------------------------------------------------------------------------------------
 
-_CORES: dict[str, tuple[Callable[..., dict], Callable[..., Any]]] = {
+# the host-graph cores by name; k3torch.bundle adds the engine-shaped ones (k3torch.engine_*)
+CORES: dict[str, tuple[Callable[..., dict], Callable[..., Any]]] = {
     "rmsnorm": (_prep_rmsnorm, rmsnorm),
     "situ_glu": (_prep_situ_glu, situ_glu),
     "kda_decode": (_prep_kda_decode, kda_decode),
@@ -502,29 +503,14 @@ _CORES: dict[str, tuple[Callable[..., dict], Callable[..., Any]]] = {
     "moe_route": (_prep_moe_route, moe_route),
     "attnres_mix": (_prep_attnres_mix, attnres_mix),
 }
-TIMEABLE = tuple(_CORES)     # every core here is math: each can be timed on device-resident inputs
 
 
-def torch_core(name: str, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu",
-               **knobs: Any) -> TorchCore:
-    """One core by name; `knobs` are the private keyword arguments of its compute function (mutants)."""
-    if name not in _CORES:
-        raise ValueError(f"core: expected one of {sorted(_CORES)}, found {name!r}")
-    prep, compute = _CORES[name]
-    return TorchCore(name, prep, compute, _precision(dtype, device), **knobs)
-
-
-def all_cores(dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> dict[str, TorchCore]:
-    """Every core of this module by its docs/interfaces.md name, at one precision on one device."""
-    p = _precision(dtype, device)
-    return {name: TorchCore(name, prep, compute, p) for name, (prep, compute) in _CORES.items()}
-
-
-def _precision(dtype: torch.dtype, device: str | torch.device) -> Precision:
+def precision(dtype: torch.dtype, device: str | torch.device) -> Precision:
+    """The Precision of `dtype` (float64, float32 or bfloat16) on `device`."""
     if dtype not in (torch.float64, torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: expected torch.float64, torch.float32 or torch.bfloat16, found {dtype}")
     return Precision(dtype, torch.device(device))
 
 
-__all__ = ["KDA_L2_EPS", "KDA_CHUNK", "E2M1_VALUES", "Precision", "TorchCore", "TIMEABLE", "torch_core",
-           "all_cores", "mxfp4_dequantize"]
+__all__ = ["CORES", "KDA_L2_EPS", "KDA_CHUNK", "E2M1_VALUES", "Precision", "TorchCore", "mxfp4_dequantize",
+           "precision"]

@@ -186,7 +186,7 @@ def torch_baseline(block: str, inputs: dict, device: str = "cuda"):
     once; the returned callable runs the math alone (what is timed)."""
     import torch  # noqa: PLC0415 -- optional: the kernels are timed without torch (--no-torch)
 
-    from k3torch.cores import torch_core  # noqa: PLC0415 -- optional: k3torch imports torch
+    from k3torch.bundle import torch_core  # noqa: PLC0415 -- optional: k3torch imports torch
 
     core = torch_core(block, dtype=torch.float32, device=device)
     prepared = core.prepare(**inputs)

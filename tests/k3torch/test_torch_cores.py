@@ -29,7 +29,7 @@ from k3ref.cache import paged_latent_cache  # noqa: E402
 from k3ref.cores import reference_cores  # noqa: E402
 from k3ref.mla import check_decode_args  # noqa: E402
 from k3torch import checks  # noqa: E402
-from k3torch.cores import torch_core  # noqa: E402
+from k3torch.bundle import torch_core  # noqa: E402
 from tests.support.tolerances import rel_rms  # noqa: E402
 
 pytestmark = pytest.mark.torch
