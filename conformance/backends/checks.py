@@ -91,14 +91,15 @@ def _call(backend: BackendBase, fn, spec: CoreSpec, case: str, params: dict, dra
     except Exception as e:
         raise BackendError(f"{where}: the call raised {type(e).__name__}: {e}") from e
     _compare_outputs(where, got, want, spec.outputs)
-    return _Call(where, _canonical(spec, got), _canonical(spec, want))
+    return _Call(where, _canonical(spec, inputs, got), _canonical(spec, inputs, want))
 
 
-def _canonical(spec: CoreSpec, result) -> dict[str, np.ndarray]:
-    """A result that kept the interface, by output name, in the spec's order-free form (router: by expert)."""
+def _canonical(spec: CoreSpec, inputs: dict, result) -> dict[str, np.ndarray]:
+    """A result that kept the interface, by output name, in the spec's normal form (padded rows zeroed, router
+    rows by expert)."""
     values = result if isinstance(result, tuple) else (result,)
     named = {out: np.asarray(v) for out, v in zip(spec.outputs, values, strict=True)}
-    return spec.canonical(named) if spec.canonical else named
+    return spec.normal_form(inputs, named)
 
 
 def _check_values(backend: BackendBase, core: str, calls: list[_Call]) -> None:

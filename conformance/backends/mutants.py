@@ -4,7 +4,8 @@ runner catches each mistake and names its block first; `k3conf run --backend mut
 MUTANTS is the table, built here from data: the gross mistakes on numpy64, a one-percent error on each bf16
 kernel core (on torch-bf16), the model traces' wrong AttnRes block boundary, and the mistakes only K3's real
 sizes show (on numpy32, an fp32 kernel's precision): they pass every toy golden and fail the k3 shape sets
-(tests/conformance/test_shapes_mutants.py).
+(tests/conformance/test_shapes_mutants.py); and the engine-shaped cores' layout mistakes (mutants_kda, mutants_mla,
+mutants_moe).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from conformance.backends import mutants_kda, mutants_mla, mutants_moe
 from conformance.backends.builtin import NumpyBackend
 from conformance.backends.protocol import BackendBase
 from conformance.cases.attnres_mutant import BoundaryOffByOneHub
@@ -206,6 +208,9 @@ MUTANTS: dict[str, Mutant] = {
     "kda-prefill-decay-stops": Mutant(
         "kda_prefill", f"KDA prefill stops decaying the state after {KDA_DECAY_STEPS} steps (decay underflow "
         "guarded to 1)", _kda_prefill_decay_stops, base="numpy32", shows_on="k3-tp8"),
+    # the engine-shaped cores' layout mistakes (a slot off by one, a page size assumed, a scale applied twice)
+    **{name: Mutant(*fields) for module in (mutants_kda, mutants_mla, mutants_moe)
+       for name, fields in module.ENGINE_MUTANTS.items()},
 }
 
 

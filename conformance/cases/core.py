@@ -10,15 +10,16 @@ conformance.cases.core_table.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 import k3cuda
+from conformance.cases import engine_kda, engine_mla, engine_moe
 from conformance.cases.core_data import BUILDERS
-from conformance.cases.core_table import CORE_TABLE
+from conformance.cases.core_spec import CoreSpec
+from conformance.cases.core_table import TABLE as _HOST_TABLE
 from conformance.cases.inputs import cast, fp32_kept, nbytes
 from conformance.cases.protocol import Case, Content, Evaluation, KindBase, case_seed
 from conformance.cases.routes import route_canonical
@@ -28,24 +29,6 @@ from k3ref.cores import Cores, reference_cores
 # A core case's kwarg naming the kernel entry it must exercise (case param `entry`): not passed to the core;
 # the run is wrapped in k3cuda.force_entry(block, entry), which only the CUDA cores read.
 ENTRY_KEY = "kernel_entry"
-
-@dataclasses.dataclass(frozen=True)
-class CoreSpec:
-    """How to build and read one core's cases.
-
-    make(rng, **params) -> (inputs: name -> float64/int array, kwargs: name -> scalar); the core is called
-    as core(**inputs, **kwargs). outputs: the names of the core's return values, in order.
-    canonical(outputs) -> outputs: an order-free normal form (router: each row sorted by expert index).
-    fp32_inputs: inputs that K3 keeps in fp32 (F32 checkpoint tensors, the fp32 KDA state, the fp32 router
-    logits); a bf16 backend receives them in fp32, not rounded to bf16.
-    """
-
-    core: str
-    outputs: tuple[str, ...]
-    make: Callable[..., tuple[dict, dict]]
-    canonical: Callable[[dict], dict] | None = None
-    fp32_inputs: tuple[str, ...] = ()
-
 
 def _named(outputs: tuple[str, ...], result) -> dict[str, np.ndarray]:
     vals = result if isinstance(result, tuple) else (result,)
@@ -71,7 +54,7 @@ class CoreKind(KindBase):
         kwargs = dict(kwargs)
         with _forced_entry(spec.core, kwargs.pop(ENTRY_KEY, None)):
             out = _named(spec.outputs, getattr(cores, spec.core)(**inputs, **kwargs))
-        return spec.canonical(out) if spec.canonical else out
+        return spec.normal_form(inputs, out)
 
     def generate(self, case: Case) -> Content:
         spec = self.specs[case.block]
@@ -99,7 +82,8 @@ class CoreKind(KindBase):
 
     def evaluate(self, case: Case, golden, backend) -> Evaluation:
         inputs, kwargs = self._inputs(golden, backend)
-        return Evaluation(self._run(case, backend.cores(), inputs, kwargs))
+        outputs = self._run(case, backend.cores(), inputs, kwargs)
+        return Evaluation(outputs, backend.run_notes())
 
     def cores_of(self, case: Case) -> frozenset[str]:
         return frozenset({self.specs[case.block].core})
@@ -151,6 +135,13 @@ CORE_SPECS: dict[str, CoreSpec] = {
     "moe_route": CoreSpec("moe_route", ("weights", "indices"), BUILDERS["moe_route"], route_canonical,
                           ("logits", "bias")),
     "attnres_mix": CoreSpec("attnres_mix", ("out",), BUILDERS["attnres_mix"]),
+    **engine_kda.SPECS, **engine_mla.SPECS, **engine_moe.SPECS,
 }
+
+# config -> [(case name, builder params)]: the host-graph cores' cases, then the engine-shaped cores'
+CORE_TABLE: dict[str, list[tuple[str, dict]]] = {
+    config: [*_HOST_TABLE.get(config, []), *engine_kda.TABLE.get(config, []), *engine_mla.TABLE.get(config, []),
+             *engine_moe.TABLE.get(config, [])]
+    for config in dict.fromkeys([*_HOST_TABLE, *engine_kda.TABLE, *engine_mla.TABLE, *engine_moe.TABLE])}
 
 __all__ = ["CORE_SPECS", "CORE_TABLE", "ENTRY_KEY", "CoreKind", "CoreSpec"]

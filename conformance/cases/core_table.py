@@ -147,4 +147,4 @@ def _k3_sets() -> dict[str, list[tuple[str, dict]]]:
 
 
 # config -> [(case name, builder params)]
-CORE_TABLE: dict[str, list[tuple[str, dict]]] = {**TOY_TABLE, **_k3_sets()}
+TABLE: dict[str, list[tuple[str, dict]]] = {**TOY_TABLE, **_k3_sets()}

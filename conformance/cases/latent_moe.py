@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.cases.engine_routes import route_notes, through_engine
 from conformance.cases.inputs import cast, cast_weights
 from conformance.cases.protocol import Case, Content, Evaluation, KindBase, case_seed
 from conformance.cases.routes import route_canonical, route_stable
@@ -69,11 +70,12 @@ class LatentMoeKind(KindBase):
         golden.require(["inputs.x", "outputs.y"])
         weights = cast_weights(golden.group("weights"), backend.precision)
         x = cast(golden.group("inputs")["x"], backend.precision)
-        y = latent_moe_forward(weights, x, self._cfg(golden.kwargs), cores=backend.cores())
-        return Evaluation({"y": np.asarray(y)})
+        cores, _, routed = through_engine(backend.cores(), backend.kernel_cores())
+        y = latent_moe_forward(weights, x, self._cfg(golden.kwargs), cores=cores)
+        return Evaluation({"y": np.asarray(y)}, route_notes(routed, backend.name))
 
     def cores_of(self, case: Case) -> frozenset[str]:
-        return frozenset({"moe_route", "mxfp4_gemv", "situ_glu", "rmsnorm"})
+        return frozenset({"moe_route", "mxfp4_gemv", "situ_glu", "rmsnorm", "moe_experts", "add_rmsnorm"})
 
     def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
         return None   # a composite of many cores: the cores are timed in their own cases

@@ -38,6 +38,7 @@ import numpy as np
 
 from conformance.backends.protocol import WholeModelBackend
 from conformance.backends.torch_model import verify_trace_golden
+from conformance.cases.engine_routes import HOST_CORES, TRACE_CORES, route_notes, through_engine
 from conformance.cases.inputs import cast_weights
 from conformance.cases.protocol import Case, Content, Evaluation, KindBase, RunInfo
 from conformance.cases.trace_names import TraceName
@@ -159,20 +160,25 @@ class TraceKind(KindBase):
         model = K3CpuModel(cfg, cast_weights(golden.group("weights"), p), compute_dtype(p))
         inter = golden.group("inter")
         feed = GoldenFeed(inter, p) if golden.kwargs["mode"] == "layerwise" else None
-        own = backend.kernel_cores()
-        cores, calls, fallbacks = guard_kernels(backend.cores(), own)
+        cores, own, routed = through_engine(backend.cores(), backend.kernel_cores())
+        cores, calls, fallbacks = guard_kernels(cores, own)
         tap = RouterTap(cores.moe_route, inter, budgets.get("router", 0.0))
         outputs = Stepper(model, cores, feed, tap, prompt_len).run(golden.group("inputs")["tokens"])
         info = RunInfo(teacher_forced={"router": tap.forced, "argmax": 0})
         judge_tokens(golden, outputs, budgets.get("argmax", 0.0), info)
         notes = [f"{core}: k3ref's reference core ran (not a kernel core of {backend.name})"
-                 for core in CORE_NAMES if core not in own]
+                 for core in CORE_NAMES if core in HOST_CORES and core not in own and core not in routed]
+        notes += route_notes(routed, backend.name)
         for core, (n, why) in sorted(fallbacks.items()):
             notes.append(f"{core}: k3ref's reference core ran instead on {n} of {calls[core]} call(s) "
                          f"(UnsupportedShape: {why})")
         notes += forced_notes(p, info.teacher_forced)
+        notes += backend.run_notes()
         info.kernels_ran = sorted(c for c, n in calls.items() if n > fallbacks.get(c, [0])[0])
         return Evaluation(outputs, notes, info)
+
+    def cores_of(self, case: Case) -> frozenset[str]:
+        return TRACE_CORES
 
     def block_of(self, case: Case, tensor: str) -> str:
         name = TraceName.parse(tensor)

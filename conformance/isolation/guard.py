@@ -3,7 +3,8 @@
 `guarded(backend, on_event)` is the backend with every core wrapped: the array arguments (and arrays inside a
 list or tuple argument) are copied, so nothing the kernel writes reaches the golden or another call; the sha256
 of each copy is taken before and after the call, and a changed one raises InputWritten naming the core and the
-input. `on_event("enter" | "left", core)` is called around the call, so a process that dies inside a core can be
+input (k3ref.cores.IN_OUT names the inputs a core may write: a state pool it updates in place, also one of its
+outputs). `on_event("enter" | "left", core)` is called around the call, so a process that dies inside a core can be
 told which one it was in.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from conformance.backends.protocol import BackendBase, WholeModelBackend
-from k3ref.cores import CORE_NAMES, Cores, reference_cores
+from k3ref.cores import CORE_NAMES, IN_OUT, Cores, reference_cores
 
 Report = Callable[[str, str], None]
 
@@ -59,14 +60,15 @@ class _Watch:
             return items if isinstance(value, list) else tuple(items)
         return value
 
-    def written(self) -> list[str]:
-        return [name for name, copy, before in self.arrays if digest(copy) != before]
+    def written(self, allowed: tuple[str, ...] = ()) -> list[str]:
+        """The watched inputs whose bytes changed, except those named in `allowed`."""
+        return [name for name, copy, before in self.arrays if name not in allowed and digest(copy) != before]
 
 
 def guard_core(core: str, fn: Callable, on_event: Report, check_writes: bool = True) -> Callable:
     """`fn` called on copies of its arrays, reporting enter/left, raising InputWritten after a write (unless
     check_writes is False: the start-up check leaves that verdict to the run, which reports it per case)."""
-    names = _param_names(core)
+    names, allowed = _param_names(core), IN_OUT.get(core, ())
 
     def call(*args, **kwargs):
         watch = _Watch()
@@ -75,7 +77,7 @@ def guard_core(core: str, fn: Callable, on_event: Report, check_writes: bool = T
         on_event("enter", core)
         result = fn(*args, **kwargs)
         on_event("left", core)
-        written = watch.written() if check_writes else []
+        written = watch.written(allowed) if check_writes else []
         if written:
             raise InputWritten(core, written)
         return result
@@ -116,6 +118,9 @@ class Guarded(BackendBase):
 
     def speed_target(self, block: str) -> float | None:
         return self.inner.speed_target(block)
+
+    def run_notes(self) -> list[str]:
+        return self.inner.run_notes()
 
 
 def guarded(backend: BackendBase, on_event: Report, check_writes: bool = True) -> BackendBase:

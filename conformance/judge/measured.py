@@ -17,9 +17,9 @@ MEASURED_WITH = {
     "small": "`k3conf run --config small --no-timing` on the small goldens `k3conf regen --config small` writes "
              "(torch 2.13 CPU, NumPy 2.4/OpenBLAS)",
     "k3": "`k3conf run --shapes k3 --no-timing` on the goldens `k3conf regen --shapes k3` writes (torch 2.13 CPU, "
-          "NumPy 2.4/OpenBLAS; 19 cases, 6 min on 2 shared cores)",
+          "NumPy 2.4/OpenBLAS; 19 cases, 6 min on 2 shared cores; the 7 engine-shaped cases: 79 s with their regen)",
     "k3-tp8": "`k3conf run --shapes k3-tp8 --no-timing` on the goldens `k3conf regen --shapes k3-tp8` writes "
-              "(torch 2.13 CPU, NumPy 2.4/OpenBLAS; 10 cases, 2 min)",
+              "(torch 2.13 CPU, NumPy 2.4/OpenBLAS; 10 cases, 2 min; the 8 engine-shaped cases: 76 s with their regen)",
 }
 
 # shape set -> (block, tensor) -> worst relative RMS error of numpy32 (fp32) and torch-bf16 (bf16) over that set's
@@ -40,6 +40,28 @@ BLOCK_CASES = {
         ("attnres_mix", "out"): ((1.8e-7, "attnres_mix/S3-T5-D113"), (2.8e-3, "attnres_mix/S3-T5-D113")),
         ("latent_moe", "y"): ((1.9e-7, "latent_moe/T5-D67-E8-k2-L32-I32-S1"),
                               (5.7e-3, "latent_moe/T3-D48-E8-k2-G2-g1-norenorm")),
+        # the engine-shaped cores (k3ref.engine)
+        ("kda_decode_pool", "o"): ((1.8e-7, "kda_decode_pool/B2-S1-H1-K128-vk-pad1"),
+                                   (2.9e-3, "kda_decode_pool/B3-S5-H2-K16-vk-pad1")),
+        ("kda_decode_pool", "state_pool"): ((5.3e-8, "kda_decode_pool/B2-S1-H1-K128-vk-pad1"),
+                                            (6.0e-4, "kda_decode_pool/B2-S4-H2-K16-vk-nolb")),
+        ("kda_conv_pool", "conv_pool"): ((2.7e-8, "kda_conv_pool/B1-S2-C17-cw"),
+                                         (1.7e-3, "kda_conv_pool/B4-S7-C40-wc-pad2")),
+        ("kda_conv_pool", "y"): ((1.3e-7, "kda_conv_pool/B1-S2-C17-cw"), (3.0e-3, "kda_conv_pool/B3-S5-C24-cw-pad1")),
+        ("kda_prefill_varlen", "o"): ((1.8e-7, "kda_prefill_varlen/N1-T3-S1-H1-K128-vk"),
+                                      (3.9e-3, "kda_prefill_varlen/N1-T17-S2-H2-K16-vk-nolb")),
+        ("kda_prefill_varlen", "state_pool"): ((1.5e-7, "kda_prefill_varlen/N1-T3-S1-H1-K128-vk"),
+                                               (8.6e-4, "kda_prefill_varlen/N3-T6-S4-H2-K16-V8-vk")),
+        ("mla_decode_fp8", "o_lat"): ((4.3e-7, "mla_decode_fp8/B3-H1-R128-P16-page64-L65-0-0"),
+                                      (5.5e-3, "mla_decode_fp8/B2-H2-R512-P64-page64-L33-0")),
+        ("mla_prefill", "lse"): ((7.2e-8, "mla_prefill/1of7-4of4-H1-D24-V40"),
+                                 (1.5e-3, "mla_prefill/5of5-3of11-1of1-H2-D32-V16")),
+        ("mla_prefill", "o"): ((1.7e-7, "mla_prefill/5of13-3of3-H2-D192-V128"),
+                               (3.3e-3, "mla_prefill/1of7-4of4-H1-D24-V40")),
+        ("moe_experts", "y"): ((5.0e-7, "moe_experts/T2-E2-k2-Dl224-I192"),
+                               (4.3e-3, "moe_experts/T2-E2-k2-Dl224-I192")),
+        ("add_rmsnorm", "residual_out"): ((3.8e-8, "add_rmsnorm/T5-D203"), (2.4e-3, "add_rmsnorm/T5-D203")),
+        ("add_rmsnorm", "y"): ((7.0e-8, "add_rmsnorm/T5-D203"), (3.8e-3, "add_rmsnorm/T1-D7168")),
     },
     # one case per block; the bf16 attnres_mix error is the bf16 rounding of its inputs (the same inputs rounded
     # to bf16 and mixed in float64 err 1.50e-2), not torch's arithmetic
@@ -59,6 +81,11 @@ BLOCK_CASES = {
         ("attnres_mix", "out"): ((6.4e-7, "attnres_mix/S9-T16-D1024"), (1.51e-2, "attnres_mix/S9-T16-D1024")),
         ("latent_moe", "y"): ((4.9e-7, "latent_moe/T8-D512-E32-k4-L256-I256-S2"),
                               (6.0e-3, "latent_moe/T8-D512-E32-k4-L256-I256-S2")),
+        # the engine-shaped cores (k3ref.engine)
+        ("moe_experts", "y"): ((4.6e-7, "moe_experts/T16-E32-k8-Dl512-I384"),
+                               (3.6e-3, "moe_experts/T16-E32-k8-Dl512-I384")),
+        ("add_rmsnorm", "residual_out"): ((3.7e-8, "add_rmsnorm/T16-D1024"), (2.4e-3, "add_rmsnorm/T16-D1024")),
+        ("add_rmsnorm", "y"): ((8.0e-8, "add_rmsnorm/T16-D1024"), (3.8e-3, "add_rmsnorm/T16-D1024")),
     },
     # K3's block sizes at K3's magnitudes (the goldens `k3conf regen --shapes k3` writes); no latent_moe case
     "k3": {
@@ -75,6 +102,29 @@ BLOCK_CASES = {
         ("moe_route", "weights"): ((5.4e-8, "moe_route/T64-E896-k16"),
                                    (6.5e-8, "moe_route/T64-E896-k16; the router is fp32")),
         ("attnres_mix", "out"): ((7.3e-7, "attnres_mix/S9-T16-D7168"), (1.2e-2, "attnres_mix/S9-T16-D7168")),
+        # the engine-shaped cores (k3ref.engine)
+        ("kda_decode_pool", "o"): ((2.2e-7, "kda_decode_pool/B4-S5-H96-K128-vk-pad1-hist64"),
+                                   (2.3e-3, "kda_decode_pool/B4-S5-H96-K128-vk-pad1-hist64")),
+        ("kda_decode_pool", "state_pool"): ((7.5e-8, "kda_decode_pool/B4-S5-H96-K128-vk-pad1-hist64"),
+                                            (1.5e-3, "kda_decode_pool/B4-S5-H96-K128-vk-pad1-hist64")),
+        ("kda_conv_pool", "conv_pool"): ((2.5e-8, "kda_conv_pool/B8-S16-C36864-cw-pad2"),
+                                         (1.7e-3, "kda_conv_pool/B8-S16-C36864-cw-pad2")),
+        ("kda_conv_pool", "y"): ((8.1e-8, "kda_conv_pool/B8-S16-C36864-cw-pad2"),
+                                 (2.5e-3, "kda_conv_pool/B8-S16-C36864-cw-pad2")),
+        ("kda_prefill_varlen", "o"): ((2.3e-7, "kda_prefill_varlen/N3-T128-S3-H96-K128-kv"),
+                                      (3.0e-3, "kda_prefill_varlen/N3-T128-S3-H96-K128-kv")),
+        ("kda_prefill_varlen", "state_pool"): ((8.1e-8, "kda_prefill_varlen/N3-T128-S3-H96-K128-kv"),
+                                               (1.8e-3, "kda_prefill_varlen/N3-T128-S3-H96-K128-kv")),
+        ("mla_decode_fp8", "o_lat"): ((2.6e-7, "mla_decode_fp8/B16-H96-R512-P64-page64-mixed"),
+                                      (2.9e-3, "mla_decode_fp8/B16-H96-R512-P64-page64-mixed")),
+        ("mla_prefill", "lse"): ((7.5e-8, "mla_prefill/512of1536-509of1533-H8-D192-V128"),
+                                 (3.7e-5, "mla_prefill/512of1536-509of1533-H8-D192-V128")),
+        ("mla_prefill", "o"): ((8.4e-7, "mla_prefill/512of1536-509of1533-H8-D192-V128"),
+                               (3.7e-3, "mla_prefill/512of1536-509of1533-H8-D192-V128")),
+        ("moe_experts", "y"): ((5.5e-7, "moe_experts/T4-E8-k6-Dl3584-I3072"),
+                               (3.4e-3, "moe_experts/T4-E8-k6-Dl3584-I3072")),
+        ("add_rmsnorm", "residual_out"): ((3.6e-8, "add_rmsnorm/T32-D7168"), (2.4e-3, "add_rmsnorm/T32-D7168")),
+        ("add_rmsnorm", "y"): ((7.7e-8, "add_rmsnorm/T32-D7168"), (3.8e-3, "add_rmsnorm/T32-D7168")),
     },
     # one rank's share of K3 at tensor parallelism 8 (12 heads), K3's magnitudes; the blocks TP splits by heads
     "k3-tp8": {
@@ -87,6 +137,29 @@ BLOCK_CASES = {
         ("kda_prefill", "state"): ((3.8e-6, "kda_prefill/B2-T512-H12-K128"), (2.9e-3, "kda_prefill/B1-T8192-H2-K128")),
         ("mla_decode", "o_lat"): ((4.1e-7, "mla_decode/B64-H12-R512-P64-mixed"),
                                   (3.5e-3, "mla_decode/B64-H12-R512-P64-mixed")),
+        # the engine-shaped cores (k3ref.engine)
+        ("kda_decode_pool", "o"): ((2.6e-7, "kda_decode_pool/B8-S16-H12-K128-kv-pad2-hist64"),
+                                   (5.9e-3, "kda_decode_pool/B8-S16-H12-K128-kv-pad2-hist64")),
+        ("kda_decode_pool", "state_pool"): ((5.7e-8, "kda_decode_pool/B8-S16-H12-K128-vk-pad2-hist64"),
+                                            (1.1e-3, "kda_decode_pool/B8-S16-H12-K128-vk-pad2-hist64")),
+        ("kda_conv_pool", "conv_pool"): ((2.5e-8, "kda_conv_pool/B8-S16-C4608-cw-pad2"),
+                                         (1.7e-3, "kda_conv_pool/B8-S16-C4608-cw-pad2")),
+        ("kda_conv_pool", "y"): ((8.1e-8, "kda_conv_pool/B8-S16-C4608-cw-pad2"),
+                                 (2.5e-3, "kda_conv_pool/B8-S16-C4608-cw-pad2")),
+        ("kda_prefill_varlen", "o"): ((2.6e-7, "kda_prefill_varlen/N3-T256-S5-H12-K128-vk"),
+                                      (3.1e-3, "kda_prefill_varlen/N3-T256-S5-H12-K128-vk")),
+        ("kda_prefill_varlen", "state_pool"): ((3.5e-8, "kda_prefill_varlen/N3-T256-S5-H12-K128-vk"),
+                                               (4.9e-4, "kda_prefill_varlen/N3-T256-S5-H12-K128-vk")),
+        ("mla_decode_fp8", "o_lat"): ((2.6e-7, "mla_decode_fp8/B16-H12-R512-P64-page64-mixed"),
+                                      (2.9e-3, "mla_decode_fp8/B16-H12-R512-P64-page64-mixed")),
+        ("mla_prefill", "lse"): ((7.5e-8, "mla_prefill/512of1536-64of64-H12-D192-V128"),
+                                 (5.2e-5, "mla_prefill/512of1536-64of64-H12-D192-V128")),
+        ("mla_prefill", "o"): ((3.2e-7, "mla_prefill/512of1536-64of64-H12-D192-V128"),
+                               (3.2e-3, "mla_prefill/512of1536-64of64-H12-D192-V128")),
+        ("moe_experts", "y"): ((5.5e-7, "moe_experts/T4-E8-k6-Dl3584-I3072"),
+                               (3.4e-3, "moe_experts/T4-E8-k6-Dl3584-I3072")),
+        ("add_rmsnorm", "residual_out"): ((3.6e-8, "add_rmsnorm/T32-D7168"), (2.4e-3, "add_rmsnorm/T32-D7168")),
+        ("add_rmsnorm", "y"): ((7.7e-8, "add_rmsnorm/T32-D7168"), (3.8e-3, "add_rmsnorm/T32-D7168")),
     },
 }
 

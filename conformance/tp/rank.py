@@ -28,6 +28,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from conformance.backends.registry import get_backend
+from conformance.cases.engine_routes import through_engine
 from conformance.cases.inputs import cast_weights
 from conformance.cases.trace_run import GoldenFeed, RouterTap, Stepper, compute_dtype, forcing_budgets, guard_kernels
 from conformance.golden.store import golden_path
@@ -94,7 +95,8 @@ def rank_cores(backend, where: list[str]):
     cores = backend.cores()
     if backend.name not in IN_PROCESS:
         cores = guard_cores(cores, on_event)
-    return guard_kernels(cores, backend.kernel_cores())
+    cores, kernels, _ = through_engine(cores, backend.kernel_cores())   # engine-shaped cores run the host graph too
+    return guard_kernels(cores, kernels)
 
 
 def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list[dict]]:

@@ -182,7 +182,8 @@ def test_each_sets_caps_come_from_measurements_of_its_own_cases(shape_set):
 
 def test_small_has_its_own_measurements_not_tinys():
     tiny, small = measured.BLOCK_CASES["tiny"], measured.BLOCK_CASES["small"]
-    assert set(small) == set(tiny)   # every block tiny measures, small measures anew
+    small_blocks = {c.block for c in all_cases("small") if c.kind != "trace"}
+    assert {b for b, _ in small} == small_blocks <= {b for b, _ in tiny}   # each block it has, small measures anew
     assert any(small[k] != tiny[k] for k in small)
     # the one that broke small out of the box: tiny's attnres_mix caps are below small's measured error
     (tiny32, _), (tiny16, _) = tiny[("attnres_mix", "out")]

@@ -20,10 +20,11 @@ from conformance.golden.store import COMMITTED_ROOT, GoldenError, decode, encode
 CASE = "rmsnorm/T1-D113"
 FIX = f"k3conf regen --cases '{CASE}'"
 SUBSET = ["rmsnorm/*", "moe_route/T1-E8-k2", "mxfp4_gemv/N1-K32"]
-# committed goldens stay under 20 MB so that a clone stays light. Measured: 19.6 MB, of which the two k3geom
+# committed goldens stay under 22 MB so that a clone stays light. Measured: 21.8 MB, of which the two k3geom
 # traces are 12.5 MB (K3's per-head sizes: a 2 x 128 x 128 float64 KDA state per KDA layer and step, kept as
-# input and output; 2 x 256 x 512 MLA kv_b weights per MLA layer) and tiny's 4.4 MB.
-MAX_COMMITTED_BYTES = 20_000_000
+# input and output; 2 x 256 x 512 MLA kv_b weights per MLA layer), the engine-shaped cores' 2.2 MB (one case per
+# core at K3's per-head geometry: a 128 x 128 state per pool slot, kept as input and output) and tiny's 4.4 MB.
+MAX_COMMITTED_BYTES = 22_000_000
 
 
 def _subset():

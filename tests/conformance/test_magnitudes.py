@@ -26,7 +26,16 @@ ACTIVATIONS = {
     "mxfp4_gemv": [("x", "mxfp4_gemv.x")],
     "moe_route": [("logits", "router.logits")],
     "attnres_mix": [("sources", "attnres.sources")],
+    # the engine-shaped cores read the same activations in their own layouts
+    "kda_decode_pool": [("q", "kda.q"), ("v", "kda.v")],
+    "kda_prefill_varlen": [("q", "kda.q"), ("v", "kda.v")],
+    "mla_decode_fp8": [("q_abs", "mla.q_abs")],
+    "moe_experts": [("x", "mxfp4_gemv.x")],
+    "add_rmsnorm": [("x", "rmsnorm.x")],
 }
+# blocks whose activations the `small` trace does not record (magnitudes_measure taps the host cores' inputs)
+UNMEASURED = {"kda_conv_pool": "the conv reads the projections before it, inline in the host graph",
+              "mla_prefill": "the expanded form's q, k, v: the host graph attends inline"}
 
 
 def _inputs(case):
@@ -51,11 +60,11 @@ def drawn():
     return {c.name + "@" + c.config: _inputs(c) for c in K3_CASES}
 
 
-def test_every_k3_block_has_cases():
-    assert {c.block for c in K3_CASES} == set(CORE_SPECS)
+def test_every_k3_block_has_cases_and_a_measured_scale_or_the_reason_it_has_none():
+    assert {c.block for c in K3_CASES} == set(CORE_SPECS) == set(ACTIVATIONS) | set(UNMEASURED)
 
 
-@pytest.mark.parametrize("case", K3_CASES, ids=lambda c: f"{c.config}:{c.name}")
+@pytest.mark.parametrize("case", [c for c in K3_CASES if c.block in ACTIVATIONS], ids=lambda c: f"{c.config}:{c.name}")
 def test_activations_at_the_measured_magnitudes(drawn, case):
     inputs, _ = drawn[case.name + "@" + case.config]
     for name, key in ACTIVATIONS[case.block]:
