@@ -1,9 +1,9 @@
 """Torch fp32 baseline vs the k3ref NumPy float32 cores, per core, at K3 decode sizes on this machine.
 
 Per core: median seconds of the k3ref core on float32 inputs, median seconds of the torch float32 core on
-device-resident inputs (TorchBackend.time_core: conversion outside the timed region), their ratio, and the
-torch-bf16 error (relative RMS vs the float64 k3ref core) at the same size. Report only: nothing is gated,
-the numbers go into docs/torch_baseline.md.
+device-resident inputs (make_backend(...).time_core: inputs uploaded once, outside the timed region), their
+ratio, and the torch-bf16 error (relative RMS vs the float64 k3ref core) at the same size. Report only: nothing
+is gated, the numbers go into docs/torch_baseline.md.
 
 Run: .venv/bin/python benchmarks/bench_torch_vs_numpy.py [--threads 1]   (table)
  or: .venv/bin/python -m pytest benchmarks/bench_torch_vs_numpy.py -q -s

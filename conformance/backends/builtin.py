@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import k3cuda
 from conformance.backends import pytorch
-from conformance.backends.protocol import ALL_CORES, BackendBase, MinimalBackend, adapt
+from conformance.backends.protocol import ALL_CORES, BackendBase, MinimalBackend
+from conformance.backends.tensors import adapt
 from conformance.backends.torch_model import TorchModelBackend
 from conformance.judge.speed import median_seconds, numpy_copy_bandwidth
 from k3cuda import runtime as cuda_runtime

@@ -28,7 +28,8 @@ import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from conformance.backends.protocol import REQUIRED_MEMBERS, BackendBase, BackendError, adapt, is_backend
+from conformance.backends.protocol import REQUIRED_MEMBERS, BackendBase, BackendError, checked_tensors, is_backend
+from conformance.backends.tensors import adapt
 from conformance.judge.speed import median_seconds, numpy_copy_bandwidth
 from k3ref.cores import CORE_NAMES, Cores, reference_cores
 
@@ -46,6 +47,8 @@ class Backend(BackendBase):
     Build it with `Backend.from_cores`. `kernel_cores()` names the swapped cores: cases that exercise none
     of them are not judged ("n/a (reference core)"). `time_core` times only those, on the host clock: the
     callables take and return numpy arrays, so a GPU core's time includes its copies to and from the device.
+    With `tensors="torch"` the callables take and return torch tensors on `device` instead, and the judge
+    (conformance.backends.tensors.TorchTensorBackend) times them on device-resident inputs.
     """
 
     name: str
@@ -53,17 +56,21 @@ class Backend(BackendBase):
     make_cores: Callable[[Cores], Cores]
     is_available: Callable[[], tuple[bool, str]] | None = None
     device: str = "cpu"
+    tensors: str = "numpy"
     repeats: int = 3
     _cores: Cores | None = dataclasses.field(default=None, repr=False)
     _kernels: frozenset = dataclasses.field(default=frozenset(), repr=False)
 
     @classmethod
     def from_cores(cls, name: str, precision: str, make_cores: Callable[[Cores], Cores], *,
-                   available: Callable[[], tuple[bool, str]] | None = None, device: str = "cpu") -> Backend:
+                   available: Callable[[], tuple[bool, str]] | None = None, device: str = "cpu",
+                   tensors: str = "numpy") -> Backend:
         """`make_cores(base) -> Cores` swaps the author's callables into `base` (k3ref's reference cores),
         e.g. `base.replace(kda_decode=fn)`; it runs on first use, so it may import GPU libraries.
         precision: "fp64" | "fp32" | "bf16" (the inputs the cores receive and the gate rows that judge them);
-        available() -> (bool, reason) says whether the backend can run here (default: always)."""
+        available() -> (bool, reason) says whether the backend can run here (default: always);
+        tensors: "numpy" (the callables take and return arrays) or "torch" (torch tensors on `device`, a torch
+        device string: the judge moves the inputs there and times the cores on device-resident inputs)."""
         if not isinstance(name, str) or not name or any(c.isspace() for c in name) or ":" in name:
             raise BackendError(f"backend name: expected a non-empty string without spaces or ':', found {name!r}")
         if precision not in PRECISIONS:
@@ -74,7 +81,8 @@ class Backend(BackendBase):
         if available is not None and not callable(available):
             raise BackendError(f"backend {name}: available expected a callable() -> (bool, reason) or None, "
                                f"found {type(available).__name__}")
-        return cls(name, precision, make_cores, available, device)
+        checked_tensors(tensors, f"backend {name}")
+        return cls(name, precision, make_cores, available, device, tensors)
 
     def available(self) -> tuple[bool, str]:
         if self.is_available is None:
@@ -129,7 +137,8 @@ class Backend(BackendBase):
 def as_backend(obj: object, origin: str, reserved: Collection[str] = ()) -> BackendBase:
     """`obj` itself when it is a backend, else the backend `obj()` returns; BackendError naming `origin`.
     An object with the bare protocol (conformance.backends.protocol.MinimalBackend) comes back wrapped once,
-    with the defaults of the optional members.
+    with the defaults of the optional members; one whose cores take torch tensors behind the NumPy bridge
+    (conformance.backends.tensors).
 
     `reserved`: names an external backend may not take (the caller's registry of built-in backends)."""
     if not is_backend(obj):

@@ -4,7 +4,11 @@ adapter that gives an object written against the bare protocol those parts once,
 A backend has `name`, `precision` ("fp64" | "fp32" | "bf16"), `available() -> (bool, reason)`, `cores() -> Cores`
 and `time_core(core, inputs) -> float | None` (median seconds, data resident). The rest is optional; BackendBase
 supplies it:
-- `device`: "cpu" (a backend on an accelerator says so: K3_STRICT=1 forgives it for being unavailable);
+- `device`: "cpu" (a backend on an accelerator says so: K3_STRICT=1 forgives it for being unavailable); for a
+  backend with `tensors = "torch"`, the torch device its tensors live on ("cpu", "cuda", "cuda:1");
+- `tensors`: "numpy" (cores take and return NumPy arrays) or "torch" (cores take and return torch tensors on
+  `device`: conformance.backends.tensors.adapt wraps such a backend in TorchTensorBackend, which presents it to
+  the rest of the judge with NumPy cores);
 - `kernel_cores() -> frozenset[str]`: the names (k3ref.cores.CORE_NAMES) of the cores the backend supplies itself;
   every other core it hands out is k3ref's. Default: all of them. The runner reads a case none of whose cores
   is a kernel core as "n/a (reference core)";
@@ -27,6 +31,7 @@ from k3ref.cores import CORE_NAMES, Cores
 
 ALL_CORES = frozenset(CORE_NAMES)
 REQUIRED_MEMBERS = ("name", "precision", "available", "cores", "time_core")   # what every backend must have
+TENSOR_KINDS = ("numpy", "torch")   # what a backend's cores take and return
 
 
 class BackendError(ValueError):
@@ -45,6 +50,14 @@ def checked_kernel_cores(found: object, who: str) -> frozenset[str]:
     if odd:
         raise BackendError(f"{who}: kernel_cores() names {odd!r:.300}, which are not core names; {expected}")
     return frozenset(names)
+
+
+def checked_tensors(found: object, who: str) -> str:
+    """`found` (a backend's `tensors`) when it is one of TENSOR_KINDS; BackendError naming `who` otherwise."""
+    if not isinstance(found, str) or found not in TENSOR_KINDS:
+        raise BackendError(f"{who}: tensors: expected one of {TENSOR_KINDS}, found {type(found).__name__} "
+                           f"{found!r:.200}")
+    return found
 
 
 def checked_availability(probe: Callable[[], object]) -> tuple[bool, str]:
@@ -79,6 +92,8 @@ class BackendProtocol(MinimalBackend, Protocol):
     @property
     def device(self) -> str: ...
 
+    tensors: str
+
     def kernel_cores(self) -> frozenset[str]: ...
 
     def copy_bandwidth(self) -> float | None: ...
@@ -104,6 +119,8 @@ class BackendBase(abc.ABC):
     # False: the backend's cores may give other bits on the same inputs (atomics, split-K order); the runner then
     # reports and gates the spread between two calls instead of requiring bit-identical outputs
     deterministic: bool = True
+    # "torch": the cores take and return torch tensors on `device` (tensors.adapt puts them behind a NumPy bridge)
+    tensors: str = "numpy"
 
     @property
     def device(self) -> str:
@@ -134,6 +151,11 @@ class BackendBase(abc.ABC):
         """The bandwidth ratio `block` must reach; None: reported, not gated."""
         return None
 
+    def run_notes(self) -> list[str]:
+        """Lines for the report about the core calls since the last ask (which implementation ran, the limits of
+        the verdict); none by default."""
+        return []
+
 
 class WholeModelBackend(BackendBase):
     """A backend that runs the model traces by its own wiring (an eager model): the trace kind hands it the
@@ -162,6 +184,11 @@ class _HasDeterministic(Protocol):
 
 
 @runtime_checkable
+class _HasTensors(Protocol):
+    tensors: str
+
+
+@runtime_checkable
 class _HasKernelCores(Protocol):
     def kernel_cores(self) -> Collection[str]: ...
 
@@ -174,6 +201,11 @@ class _HasCopyBandwidth(Protocol):
 @runtime_checkable
 class _HasSpeedTarget(Protocol):
     def speed_target(self, block: str) -> float | None: ...
+
+
+@runtime_checkable
+class _HasRunNotes(Protocol):
+    def run_notes(self) -> list[str]: ...
 
 
 @runtime_checkable
@@ -199,6 +231,8 @@ class ForeignBackend(BackendBase):
         self.precision = _attribute(obj, "precision", str, "'fp64', 'fp32' or 'bf16'")
         if isinstance(obj, _HasDeterministic):   # optional: BackendBase's default (True) stands in when absent
             self.deterministic = _attribute(obj, "deterministic", bool, "True or False")
+        if isinstance(obj, _HasTensors):        # optional: "numpy" when absent
+            self.tensors = checked_tensors(_attribute(obj, "tensors", object, ""), f"backend {self.name}")
         self._kernel_cores = obj if isinstance(obj, _HasKernelCores) else None
         self._kernel_names: frozenset[str] | None = None   # read and checked once, on first use
         self._copy_bandwidth = obj if isinstance(obj, _HasCopyBandwidth) else None
@@ -245,6 +279,14 @@ class ForeignBackend(BackendBase):
     def speed_target(self, block: str) -> float | None:
         return super().speed_target(block) if self._speed_target is None else self._speed_target.speed_target(block)
 
+    def run_notes(self) -> list[str]:
+        if not isinstance(self.obj, _HasRunNotes):
+            return []
+        notes = self.obj.run_notes()
+        if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+            raise BackendError(f"backend {self.name}: run_notes() returned {notes!r:.200}, expected a list of str")
+        return notes
+
 
 def _attribute(obj: object, member: str, kind: type, expected: str):
     """obj.<member>, which must be a `kind`; BackendError naming what was expected and found otherwise."""
@@ -284,10 +326,13 @@ def is_backend(obj: object) -> TypeGuard[BackendBase | MinimalBackend]:
 
 def adapt(obj: BackendBase | MinimalBackend) -> BackendBase:
     """`obj` itself when it subclasses BackendBase, else `obj` wrapped in ForeignBackend (ForeignWholeModel when
-    it has `evaluate_trace`)."""
-    if isinstance(obj, BackendBase):
-        return obj
-    return ForeignWholeModel(obj) if isinstance(obj, _HasEvaluateTrace) else ForeignBackend(obj)
+    it has `evaluate_trace`); its `tensors` checked. A backend whose cores take torch tensors comes back as it is:
+    conformance.backends.tensors.adapt (what the registry and the external loader call) also puts it behind the
+    NumPy bridge."""
+    backend = obj if isinstance(obj, BackendBase) else (
+        ForeignWholeModel(obj) if isinstance(obj, _HasEvaluateTrace) else ForeignBackend(obj))
+    checked_tensors(backend.tensors, f"backend {backend.name}")
+    return backend
 
 
 def kernel_cores(backend: BackendBase | MinimalBackend) -> frozenset[str]:

@@ -18,7 +18,8 @@ The table (`k3conf list` shows availability and the reason):
 - entry points of the group `k3conf.backends` (installed packages, conformance.backends.external), by name, and
   `MODULE:ATTR` / `path/to/file.py:ATTR`: a backend defined outside the package (docs/external_backends.md).
 What a backend is: conformance.backends.protocol. Every backend this module hands out is a BackendBase (an object
-written against the bare protocol is wrapped once, when built). DEVICE_BACKENDS may be unavailable under
+written against the bare protocol is wrapped once, when built; one whose cores take torch tensors is put behind
+conformance.backends.tensors' NumPy bridge). DEVICE_BACKENDS may be unavailable under
 K3_STRICT=1 (they need an accelerator); no other backend may.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conformance.backends import external
+from conformance.backends import fla as fla_backend
 from conformance.backends.builtin import (
     CudaBackend,
     CudaEmuBackend,
@@ -39,10 +41,10 @@ from conformance.backends.protocol import (
     ALL_CORES,
     BackendBase,
     MinimalBackend,
-    adapt,
     checked_availability,
     kernel_cores,
 )
+from conformance.backends.tensors import adapt
 from k3ref.cores import reference_cores
 
 __all__ = ["ALL_CORES", "BACKENDS", "DEVICE_BACKENDS", "MUTANTS", "ON_REQUEST", "Mutant", "NumpyBackend",
@@ -69,6 +71,9 @@ BACKENDS: dict[str, Factory] = {
 # docs/torch_model.md, "Router near-ties at bf16").
 ON_REQUEST: dict[str, Factory] = {
     "torch-model-bf16": lambda: torch_model("torch-model-bf16"),
+    # fla's real KDA kernels (under Triton's interpreter without a GPU): tiny's free-running trace fails on them
+    # as on torch-model-bf16 (conformance.backends.fla.EXPECTED_FINDINGS); `make fla` runs them and checks that
+    "fla": fla_backend.make_backend,
 }
 _CACHE: dict[str, BackendBase] = {}   # name -> backend, built once per process
 

@@ -128,7 +128,7 @@ class TorchModelBackend(WholeModelBackend):
     """The torch model as a backend: whole traces only (`evaluate_trace`); no cores, no per-block cases.
 
     name: "torch-model" (float32) or "torch-model-bf16"; `torch_device` is CUDA when torch sees a GPU, else
-    the CPU (override with K3CONF_TORCH_DEVICE); `device` stays BackendBase's "cpu", as for TorchBackend."""
+    the CPU (override with K3CONF_TORCH_DEVICE); `device` stays BackendBase's "cpu" (its worker is forked)."""
 
     PRECISIONS = {"torch-model": "fp32", "torch-model-bf16": "bf16"}
 
