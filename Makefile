@@ -4,21 +4,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run lint test bench clean-venv
+.PHONY: setup run fla lint test bench clean-venv
 
-# Idempotent: re-runs only when pyproject.toml changes. torch is pinned to the CPU build that this
-# machine kind keeps on disk; an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Idempotent: re-runs only when pyproject.toml or requirements-fla.txt changes. torch is pinned to the CPU build
+# that this machine kind keeps on disk; an unpinned torch would pull a multi-GB CUDA build. fla's kernels (the `fla`
+# backend, run under Triton's interpreter without a GPU) install with --no-deps for the same reason.
+$(STAMP): pyproject.toml requirements-fla.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test,torch]"
+	$(BIN)/python -m pip install -q --no-deps -r requirements-fla.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 run: setup
 	$(BIN)/k3conf run
+
+# fla's real KDA kernels (under Triton's interpreter without a GPU) on the KDA cores and the model traces, in bf16.
+# `k3conf run` exits 1 on a failed gate; the verdict then passes only when the failed cases are exactly fla's
+# documented findings (conformance.backends.fla.EXPECTED_FINDINGS). ~70 s of CPU on tiny.
+FLA_REPORT ?= reports/fla
+fla: setup
+	$(BIN)/k3conf run --backend fla --cases 'kda_*' 'trace/*' --no-timing --report $(FLA_REPORT) || [ $$? -eq 1 ]
+	$(BIN)/python -m conformance.backends.fla $(FLA_REPORT)/report.json
 
 # ruff (style, import order, imports at the top) and mypy (types) over the packages, the tests and the tools
 lint: setup

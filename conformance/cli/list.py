@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from conformance.backends.protocol import ALL_CORES
-from conformance.backends.registry import MUTANTS, availability, get_backend
+from conformance.backends.registry import MUTANTS, ON_REQUEST, availability, get_backend
 from conformance.cases.catalog import all_cases
 from conformance.cases.protocol import CONFIGS
 from conformance.cli.usage import UsageError, check_cuda_env
@@ -37,6 +37,7 @@ def run(args) -> int:
             own = get_backend(name).kernel_cores() if ok else ALL_CORES
             only = "" if own == ALL_CORES else f" [kernels: {', '.join(sorted(own))}; other cores: k3ref's]"
             print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}{only}")
+        print(f"  run only when named with --backend: {', '.join(ON_REQUEST)}")
     if "mutants" in what:
         print("mutants (run with --backend mutant:<name>):")
         width = max(map(len, MUTANTS), default=0)
