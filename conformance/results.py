@@ -121,6 +121,7 @@ class RunReport:
     wall_seconds: float
     copy_bandwidth: dict          # backend -> bytes/s measured in this run
     strict_missing: list[str] = dataclasses.field(default_factory=list)   # K3_STRICT=1: backends that must run
+    metadata: dict = dataclasses.field(default_factory=dict)   # what the run ran on (conformance.metadata.collect)
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -183,5 +184,6 @@ class RunReport:
             "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
             "summary": self.counts(), "strict_missing": self.strict_missing, "nothing_judged": self.nothing_judged,
             "wall_seconds": self.wall_seconds, "backends": self.backends,
-            "copy_bandwidth": self.copy_bandwidth, "results": [r.to_dict() for r in self.results],
+            "copy_bandwidth": self.copy_bandwidth, "metadata": self.metadata,
+            "results": [r.to_dict() for r in self.results],
         }

@@ -58,6 +58,7 @@ from conformance.isolation.client import (
 from conformance.isolation.repeat import repeat_results
 from conformance.judge import gates
 from conformance.judge.compare import Comparison, compare
+from conformance.metadata import collect as collect_metadata
 from conformance.results import CaseResult, RunReport, TensorResult
 from conformance.session import SessionError, resolve_backends, strict_missing
 from k3ref.cores import UnsupportedShape
@@ -409,5 +410,7 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
     finally:
         runner.close()
     bw = {k: v for k, v in runner.copy_bw.items() if v}
-    return RunReport(config, rows, results, time.perf_counter() - t0, bw, strict_missing(rows))
+    wall = time.perf_counter() - t0
+    return RunReport(config, rows, results, wall, bw, strict_missing(rows),
+                     metadata=collect_metadata(root=root, config=config, seed=runner.seed, duration=wall))
 

@@ -23,10 +23,12 @@ import numpy as np
 from conformance import runner as _runner
 from conformance.backends.protocol import BackendBase, WholeModelBackend
 from conformance.backends.registry import get_backend
+from conformance.cases.engine_routes import HOST_CORES
 from conformance.cases.protocol import Evaluation, RunInfo
 from conformance.cases.trace_run import check_forced, forcing_budgets
 from conformance.cases.traces import PROMPT, forced_notes, judge_tokens, model_name
 from conformance.golden.errors import GoldenError
+from conformance.metadata import collect as collect_metadata
 from conformance.tp.blame import blame_ranks
 from conformance.tp.launch import TpFailure, check_dist, spawn, under_torchrun
 from conformance.tp.lifetime import TpStopped
@@ -173,7 +175,9 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
     ok, why = row_backend.available()
     row = {"name": row_backend.name, "precision": row_backend.precision, "available": ok, "reason": why,
            "backend": backend, "isolation": ISOLATION_NOTE, "must_judge": True}   # a run that judged nothing fails
-    return TpRunReport(config, [row], results, time.perf_counter() - t0, {}, ranks=result["ranks"])
+    wall = time.perf_counter() - t0
+    return TpRunReport(config, [row], results, wall, {}, ranks=result["ranks"],
+                       metadata=collect_metadata(root=root, config=config, duration=wall))
 
 
 ISOLATION_NOTE = ("in its rank processes: each core call on its own copies of the inputs, checked for writes; a "
@@ -191,7 +195,7 @@ def rank_evaluation(golden, outs: dict, backend: TpBackend, rank_notes: list[str
     own = backend.kernel_cores()
     notes = list(rank_notes)
     notes += [f"{core}: k3ref's reference core ran (not a kernel core of {backend.inner.name})"
-              for core in CORE_NAMES if core not in own]
+              for core in CORE_NAMES if core in HOST_CORES and core not in own]
     ran = set()
     for r, row in enumerate(info_rows):
         calls, falls = row[:n], row[n:2 * n]
@@ -217,7 +221,8 @@ def merge_reports(reports: list[TpRunReport]) -> TpRunReport:
         return first
     ranks = {f"{r.backends[0]['name']}::{case}": rows for r in reports for case, rows in r.ranks.items()}
     return TpRunReport(first.config, [b for r in reports for b in r.backends], [x for r in reports for x in r.results],
-                       sum(r.wall_seconds for r in reports), {}, ranks=ranks)
+                       sum(r.wall_seconds for r in reports), {}, ranks=ranks,
+                       metadata={**first.metadata, "duration_s": sum(r.wall_seconds for r in reports)})
 
 
 def _splittable(cases, tp: int, mutant: str | None, backend):
