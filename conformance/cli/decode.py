@@ -2,7 +2,10 @@
 
 The memory the decode will hold is counted first (k3ref.greedy.decode_memory) and a request that does not fit
 what the machine has available is refused, naming the numbers; a real-size checkpoint runs with its embedding
-gathered by rows, lm_head applied in blocks and its float weights converted one tensor at a time."""
+gathered by rows, lm_head applied in blocks and its float weights converted one tensor at a time.
+
+Output: the prompt's ids, one line per generated token (its step and position) and the generated ids, each
+labelled; `--ids-only` prints the generated ids alone, comma-separated on one line, for scripts."""
 from __future__ import annotations
 
 import sys
@@ -34,6 +37,8 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--ids-only", action="store_true",
+                   help="print only the generated token ids, comma-separated on one line (for scripts)")
     add_tp_options(p)
     p.set_defaults(func=run)
 
@@ -94,7 +99,7 @@ def run(args) -> int:
     if args.tp != 1:
         if layers is not None:
             raise UsageError("--layers: not with --tp (a tensor-parallel decode runs every layer)")
-        return decode_tp_command(args, cfg, prompt)
+        return decode_tp_command(args, cfg, prompt, show=lambda tokens: show_tokens(prompt, tokens, args.ids_only))
     dtype = np.dtype(args.dtype)
     _check_request(args, cfg, prompt, checkpoint is None, dtype, layers)
     if checkpoint is not None:
@@ -110,8 +115,20 @@ def run(args) -> int:
     except _NonFinite as e:
         print(f"k3conf decode: {e}", file=sys.stderr)
         return 1
-    print(",".join(map(str, tokens)))
+    show_tokens(prompt, tokens, args.ids_only)
     return 0
+
+
+def show_tokens(prompt: list[int], tokens: list[int], ids_only: bool) -> None:
+    """The decode's result on stdout: labelled lines, or (ids_only) the generated ids alone on one line."""
+    ids = ",".join(map(str, tokens))
+    if ids_only:
+        print(ids)
+        return
+    print(f"prompt ids ({len(prompt)}): {','.join(map(str, prompt))}")
+    for step, token in enumerate(tokens, start=1):
+        print(f"step {step} (position {len(prompt) + step - 1}): token id {token}")
+    print(f"generated ids ({len(tokens)}): {ids}")
 
 
 class _NonFinite(Exception):

@@ -35,8 +35,19 @@ SCHEMA_VERSION = "1"
 GROUPS = ("inputs", "weights", "inter", "outputs")
 MANIFEST = "MANIFEST.json"
 SUFFIX = ".safetensors"
+# the data package an installed wheel holds the committed goldens in (pyproject.toml, [tool.setuptools])
+INSTALLED_GOLDEN_PACKAGE = "k3conf_golden"
+
+
+def committed_root(parent: Path) -> Path:
+    """The committed goldens of the code whose top-level packages sit in `parent`: golden/ in a checkout (it has
+    pyproject.toml; an editable install runs from it), the data package k3conf_golden next to conformance/ in an
+    installed wheel (site-packages)."""
+    return parent / "golden" if (parent / "pyproject.toml").is_file() else parent / INSTALLED_GOLDEN_PACKAGE
+
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-COMMITTED_ROOT = REPO_ROOT / "golden"
+COMMITTED_ROOT = committed_root(REPO_ROOT)
 # the files a regeneration writes under a golden root (their interrupted temporaries are `leftover_temps`)
 _WRITTEN = re.compile(".+" + re.escape(SUFFIX) + "|" + re.escape(MANIFEST))
 

@@ -101,8 +101,9 @@ def _on_ranks(command: str, start: Callable[[], T]) -> tuple[T | None, int | Non
         return None, 1
 
 
-def decode_tp_command(args, cfg, prompt: list[int]) -> int:
-    """`k3conf decode --tp N`: greedy decode on N ranks; prints the tokens (rank 0)."""
+def decode_tp_command(args, cfg, prompt: list[int], show: Callable[[list[int]], None]) -> int:
+    """`k3conf decode --tp N`: greedy decode on N ranks; `show` prints the tokens (rank 0's), as the TP 1 decode
+    does."""
     dist = _common(args)
     try:
         plan = make_plan(cfg, args.tp, None)
@@ -127,5 +128,5 @@ def decode_tp_command(args, cfg, prompt: list[int]) -> int:
               f"of weights, its routed experts ({row['mapped']:,} B) served from the mapping "
               f"({row['copied_experts']} expert tensors copied); plan {row['plan_bytes']:,} B "
               f"({row['plan_replicated']:,} B replicated)", file=sys.stderr)
-    print(",".join(map(str, result["tokens"])))
+    show(result["tokens"])
     return 0

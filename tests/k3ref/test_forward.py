@@ -210,7 +210,7 @@ def other_ckpt(tmp_path_factory):
 
 def test_cli_decode_checkpoint_reads_its_config(other_ckpt, capsys):
     cfg, d = other_ckpt
-    assert cli_main(["decode", "--checkpoint", str(d), "--prompt", "1,2,120", "--max-new", "3"]) == 0
+    assert cli_main(["decode", "--checkpoint", str(d), "--prompt", "1,2,120", "--max-new", "3", "--ids-only"]) == 0
     got = [int(t) for t in capsys.readouterr().out.strip().split(",")]
     model = K3CpuModel.from_checkpoint(d, dtype=np.float64)
     assert model.cfg == cfg and got == greedy_decode(model, [1, 2, 120], 3).tokens

@@ -127,14 +127,15 @@ def test_missing_layers_are_named(tiny, sub_ckpt):
 def test_a_subset_of_the_layers_held_is_admitted_and_runs(tiny, sub_ckpt, capsys):
     verdict = admit_checkpoint(sub_ckpt, tiny, layers=[2])
     assert verdict.ok and verdict.n_ignored == sum(1 for s in inventory(tiny, [0, 5]) if ".layers." in s.name)
-    argv = ["decode", "--checkpoint", str(sub_ckpt), "--prompt", "1,2", "--max-new", "2", "--layers", "2"]
+    argv = ["decode", "--checkpoint", str(sub_ckpt), "--prompt", "1,2", "--max-new", "2", "--layers", "2",
+            "--ids-only"]
     assert main(argv) == 0
     assert capsys.readouterr().out.strip().count(",") == 1
 
 
 def test_decode_cli_runs_the_asked_layers(tiny, sub_ckpt, capsys):
     argv = ["decode", "--checkpoint", str(sub_ckpt), "--prompt", ",".join(map(str, PROMPT)), "--max-new", "4"]
-    assert main([*argv, "--layers", "0,2,5", "--dtype", "float32"]) == 0
+    assert main([*argv, "--layers", "0,2,5", "--dtype", "float32", "--ids-only"]) == 0
     tokens = [int(t) for t in capsys.readouterr().out.strip().split(",")]
     model = K3CpuModel.from_checkpoint(sub_ckpt, tiny, np.float32, layers=[0, 2, 5])
     assert tokens == greedy_recompute(model, PROMPT, 4).tokens

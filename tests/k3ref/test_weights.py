@@ -264,9 +264,10 @@ def test_corrupt_shard_names_the_file(tmp_path, tiny, corrupt, match):
 def test_cli_admit(ckpt, tmp_path, capsys):
     assert cli_main(["admit", str(ckpt)]) == 0
     assert "ADMITTED" in capsys.readouterr().out
-    assert cli_main(["admit", str(ckpt), "--config", "small"]) == 1
+    assert cli_main(["admit", str(ckpt), "--config", "small"]) == 1   # another config's: refused in 4 lines
     out = capsys.readouterr().out
-    assert "REJECTED" in out and re.search(r"\d+ missing", out)
+    assert re.match(rf"REJECTED  {re.escape(str(ckpt))}: not a checkpoint of config small: \d+ of \d+ tensors", out)
+    assert "it looks like preset 'tiny'" in out
     assert cli_main(["admit", str(tmp_path / "nowhere"), "--config", "tiny"]) == 2
     assert "not a directory" in capsys.readouterr().err
     assert cli_main(["admit", str(tmp_path)]) == 2
