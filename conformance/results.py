@@ -24,6 +24,7 @@ class TensorResult:
     layer: int | None = None             # trace tensors: the layer index (per-layer error plot)
     gated: bool = True                   # False: reported only (never fails the case)
     note: str = ""                       # what the kind says about this tensor (a greedy-token flip, ...)
+    diagnosis: str | None = None         # the shape of the error of a failing tensor (conformance.judge.diagnose)
 
     @property
     def baseline_multiple(self) -> float | None:
@@ -37,10 +38,15 @@ class TensorResult:
         """The verdict; a reported-only tensor never fails."""
         return self.verdict.passed or not self.gated
 
+    def why(self) -> str:
+        """'<note>; <metrics>; shape of the error: <diagnosis> [<rule>]': what the failure line says of this tensor."""
+        return ((f"{self.note}; " if self.note else "") + self.comparison.summary()
+                + (f"; shape of the error: {self.diagnosis}" if self.diagnosis else "") + f" [{self.verdict.why}]")
+
     def to_dict(self) -> dict:
         return {
             "tensor": self.tensor, "block": self.block, "passed": self.passed, "layer": self.layer,
-            "gated": self.gated, "within_bound": self.verdict.passed, "note": self.note,
+            "gated": self.gated, "within_bound": self.verdict.passed, "note": self.note, "diagnosis": self.diagnosis,
             "comparison": self.comparison.to_dict(),
             "gate": {"key": list(self.gate_key), **dataclasses.asdict(self.gate)},
             "bound": self.verdict.bound, "rule": self.verdict.why,
@@ -98,8 +104,17 @@ class CaseResult:
             return (f"{self.case} on {self.backend} (block {self.block}): speed: bw ratio {sp.bw_ratio} "
                     f"(target {sp.target_bw_ratio}), time ratio {sp.time_ratio} "
                     f"(target {sp.target_time_ratio}); {sp.note}")
-        return (f"{self.case} on {self.backend}: outputs.{t.tensor} (block {t.block}): "
-                + (f"{t.note}; " if t.note else "") + f"{t.comparison.summary()} [{t.verdict.why}]")
+        why = t.why() if self.counts_elements(t) else t.why().replace(f"; {t.comparison.passed_line}", "", 1)
+        return f"{self.case} on {self.backend}: outputs.{t.tensor} (block {t.block}): {why}"
+
+    def counts_elements(self, t: TensorResult) -> bool:
+        """Whether `t`'s 'N of M passed' decided anything: an integer tensor (every element must match), or a row
+        judged element by element within atol + rtol (fp64, or a row with no baseline multiple), never the
+        baseline itself. Elsewhere it counts elements within a tolerance no rule uses (0 of N for a passing
+        baseline), so it is left out."""
+        if t.comparison.exact:
+            return True
+        return self.role != "baseline" and (self.precision == "fp64" or t.gate.k is None)
 
     def to_dict(self) -> dict:
         return {

@@ -58,6 +58,7 @@ from conformance.isolation.client import (
 from conformance.isolation.repeat import repeat_results
 from conformance.judge import gates
 from conformance.judge.compare import Comparison, compare
+from conformance.judge.diagnose import diagnose_tensor
 from conformance.metadata import collect as collect_metadata
 from conformance.results import CaseResult, RunReport, TensorResult
 from conformance.session import SessionError, resolve_backends, strict_missing
@@ -329,10 +330,13 @@ class Runner:
                 b_err = dataclasses.replace(b_err, own_cap=own)
             verdict = gates.judge(cmp, gate, backend.precision, b_err, as_baseline=is_baseline,
                                   capped=self.capped and measured_here, uncapped_why=why)
+            # the shape of the error (a scale, swapped heads, a split), only where it failed: it reads the tensors
+            shape = (diagnose_tensor(outs[tensor], ref, block, tensor)
+                     if not verdict.passed and tensor in outs and not cmp.problem else None)
             results.append(TensorResult(tensor, block, cmp, key, gate, verdict,
                                         base_name if relative else None, None if b_err is None else b_err.rel_rms,
                                         layer_of(tensor), kind.is_gated(case, tensor),
-                                        str(tensor_notes.get(tensor, ""))))
+                                        str(tensor_notes.get(tensor, "")), shape))
         return results
 
 

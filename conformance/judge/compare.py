@@ -12,13 +12,16 @@ Integer tensors (router indices, ...) are compared exactly: every element must b
 
 `check_outputs(label, outs, refs, tol)` applies the same comparison with a relative-RMS tolerance to a kernel's
 outputs (the GPU tests and the kernels' CPU emulation use it): this module is the one comparison engine, so a
-kernel checked on a GPU and the same kernel gated by `k3conf run` follow one NaN/Inf rule.
+kernel checked on a GPU and the same kernel gated by `k3conf run` follow one NaN/Inf rule. Its failure lines end
+with the shape of the error (conformance.judge.diagnose) when one stands out, like the runner's.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+
+from conformance.judge.diagnose import diagnose
 
 TINY = np.finfo(np.float64).tiny
 
@@ -172,5 +175,7 @@ def check_outputs(label: str, outs, refs, tol: float) -> list[str]:
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         c = compare(o, r)
         if c.problem or not c.nonfinite_ok or c.rel_rms > tol:
-            fails.append(f"{label} output {i} (tolerance rel_rms {tol:g}): {c.summary()}")
+            shape = None if c.problem else diagnose(o, r)
+            fails.append(f"{label} output {i} (tolerance rel_rms {tol:g}): {c.summary()}"
+                         + (f"; shape of the error: {shape}" if shape else ""))
     return fails
