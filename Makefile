@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run fla lint test bench clean-venv
+.PHONY: setup run fla lint test bench clean-venv chromium
 
 # Idempotent: re-runs only when pyproject.toml or requirements-fla.txt changes. torch is pinned to the CPU build
 # that this machine kind keeps on disk; an unpinned torch would pull a multi-GB CUDA build. fla's kernels (the `fla`
@@ -35,7 +35,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# A headless Chromium for tests/conformance/test_report_html.py (apt-get; nothing when one is on PATH). `make test`
+# tries it and goes on without it: that test then skips with the reason (and fails under K3_STRICT=1).
+chromium:
+	bash tools/install_chromium.sh
+
 test: lint
+	-bash tools/install_chromium.sh
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -10,7 +10,8 @@ from pathlib import Path
 from conformance.cases.catalog import all_cases
 from conformance.cli.run import add_shape_options
 from conformance.cli.usage import UsageError
-from conformance.golden.regen import regenerate
+from conformance.golden.drift import ROUNDING_DRIFT
+from conformance.golden.regen import RegenOutcome, regenerate
 from conformance.golden.store import COMMITTED_ROOT, default_root
 from conformance.session import pick_cases
 
@@ -57,22 +58,46 @@ def run(args) -> int:
         raise UsageError(f"cannot write the goldens to {str(root)[:300]} ({e.strerror}: {e.filename}); "
                          f"`k3conf regen --check{' --out ' + str(root) if args.out else ''}` says what is there "
                          "now, or pass --out DIR") from None
-    for o in outcomes:
-        if o.status != "unchanged":
-            print(f"{o.case}: {_SAY[o.status]}  [{o.path}]")
-        for d in o.drift:
-            if o.status != "unchanged":
-                print(f"    {d.line()}")
+    for line in report_lines(outcomes, {c.name for c in cases}, root):
+        print(line)
     bad = [o for o in outcomes if o.failed]
-    names = {c.name for c in cases}
-    counts = {s: sum(o.status == s for o in outcomes) for s in _SAY}
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    print(f"{sum(o.case in names for o in outcomes)} case(s) in {root}: {summary}")
     if bad and not args.check:
         print(f"{len(bad)} golden(s) changed and were kept; inspect the drift above, then rerun with --accept")
     if bad and args.check:
         print("to fix: " + "; ".join(_fixes(bad, args)))
     return 1 if bad else 0
+
+
+# Per case that needs a look, its drift lines are cut to the largest few (a model trace moves hundreds of tensors).
+DRIFT_LINES = 12
+
+
+def report_lines(outcomes: list[RegenOutcome], names: set[str], root: Path) -> list[str]:
+    """What a regeneration says: one block per case that needs action or was written (with its largest drift),
+    then one summary line; identical goldens and rounding-level drift are counted there, not listed, with the
+    largest rounding drift named so a person sees how far below the rule it stayed."""
+    lines = []
+    for o in outcomes:
+        if o.status in ("unchanged", "rounding"):
+            continue
+        lines.append(f"{o.case}: {_SAY[o.status]}  [{o.path}]")
+        shown = sorted(o.drift, key=lambda d: (not d.detail, -d.rounding_rms))[:DRIFT_LINES]   # metadata first
+        lines += [f"    {d.line()}" for d in o.drift if d in shown]
+        if len(o.drift) > len(shown):
+            lines.append(f"    ... and {len(o.drift) - len(shown)} more tensor(s) changed less")
+    counts = {s: sum(o.status == s for o in outcomes) for s in _SAY}
+    summary = ", ".join(f"{n} {_COUNTED.get(s, s)}" for s, n in counts.items() if n)
+    lines.append(f"{sum(o.case in names for o in outcomes)} case(s) in {root}: {summary or 'nothing to do'}")
+    rounding = [(d, o.case) for o in outcomes if o.status == "rounding" for d in o.drift]
+    if rounding:
+        d, case = max(rounding, key=lambda dc: dc[0].rounding_rms)
+        lines.append(f"rounding-level drift (<= {ROUNDING_DRIFT:g} relative RMS; the files are kept): largest "
+                     f"{d.rounding_rms:.3g} on {case} {d.name}")
+    return lines
+
+
+_COUNTED = {"rounding": "rounding-only drift (kept)", "changed": "CHANGED", "drift": "DRIFT", "missing": "MISSING",
+            "stale": "STALE", "leftover": "LEFTOVER", "accepted": "changed and overwritten", "new": "written"}
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -340,7 +340,7 @@ def test_failed_report_write_keeps_exit_1_and_writes_none(root, tmp_path, capsys
     def disk_full(report):   # the third report fails after report.json and report.md were written
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rep, "html_report", disk_full)
+    monkeypatch.setattr(rep.report_html, "html_report", disk_full)
     assert main(["run", "--backend", "numpy64", "--golden", str(root), "--cases", CASE, "--report", str(out),
                  "--no-timing"]) == 1
     assert "none was written" in capsys.readouterr().err

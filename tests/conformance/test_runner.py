@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from conformance.golden import store as goldens
 from conformance.golden.regen import regenerate
 from conformance.golden.store import COMMITTED_ROOT
 from conformance.judge import gates
-from conformance.report import markdown, svg_plot
+from conformance.report import markdown
 from conformance.runner import run
 from conformance.session import strict_missing
 from k3ref.cores import UnsupportedShape, reference_cores
@@ -53,7 +54,7 @@ def test_run_subset_passes_and_writes_self_contained_reports(tmp_path, capsys):
     assert "ALL PASS" in (tmp_path / "report.md").read_text().splitlines()[2]
     page = (tmp_path / "report.html").read_text()
     assert "<style>" in page and "rmsnorm/T1-D113" in page
-    for external in ("http://", "https://", "<script", "<link", "src="):
+    for external in ("http://", "https://", "<link", "src="):     # self-contained: the script is inline
         assert external not in page
 
 
@@ -223,12 +224,6 @@ def test_a_baseline_that_cannot_be_compared_means_cap_only(monkeypatch, extra_ba
     assert t.baseline_err is None and t.verdict.bound == t.gate.cap and "cap only" in t.verdict.why
 
 
-def test_layer_plot_survives_an_overflowed_error():
-    """A float64 kernel writing 1e200 makes ||out - ref|| overflow to inf: the report still draws (clipped)."""
-    page = svg_plot("trace/x", {"numpy64": {0: 0.0, 1: float("inf"), 2: float("nan")}, "mutant": {0: 1e-3}})
-    assert page.startswith("<svg") and page.count("<polyline") == 2 and "1e3<" in page
-
-
 def test_a_backend_named_twice_runs_once():
     report = run(select(all_cases("tiny"), SUBSET[:1]), ["numpy64", "numpy64"], COMMITTED_ROOT, timing=False)
     assert len(report.results) == 1 and [b["name"] for b in report.backends] == ["numpy64"]
@@ -283,8 +278,9 @@ def test_a_registered_kind_runs_with_per_layer_plot(monkeypatch, tmp_path):
     assert main(["run", "--backend", "numpy64", "numpy32", "--golden", str(tmp_path / "g"), "--cases", "toy_trace",
                  "--report", str(tmp_path / "r"), "--no-timing"]) == 0
     page = (tmp_path / "r" / "report.html").read_text()
-    assert page.count("<svg") == 1 and "toy_trace/L3: relative RMS error per layer" in page
-    assert page.count("<polyline") == 2      # one line per backend
+    # one plot per backend, each one series (the toy trace has one step)
+    assert page.count("<svg") == 2 and "toy_trace/L3 on numpy64" in page and "toy_trace/L3 on numpy32" in page
+    assert page.count("<polyline") == 2
 
     def break_rmsnorm(base):
         return base.replace(rmsnorm=lambda x, w, eps: np.asarray(x) * 2.0)
@@ -415,7 +411,8 @@ def test_a_case_without_a_kernel_core_is_na_and_counted_apart(tmp_path, extra_ba
     assert data["summary"] == {"pass": 2, "fail": 0, "n/a": 1, "skip": 0, "error": 0, "total": 3}
     assert "2 pass, 0 fail, 1 n/a, 0 skip" in (tmp_path / "report.md").read_text()
     page = (tmp_path / "report.html").read_text()
-    assert "n/a (reference core)" in page and "2 pass, 0 fail, 1 n/a, 0 skip" in page
+    assert "one32: 1 case n/a (reference core only" in page
+    assert re.search(r"2 pass</b>, <b class=fail>0 fail</b>, <b class=na>1 n/a</b>, <b class=skip>0 skip", page)
     capsys.readouterr()
     assert main(["list", "backends"]) == 0
     listed = capsys.readouterr().out
