@@ -6,29 +6,47 @@ tried on tiny inputs first), the cases selected, the goldens found, K3_STRICT re
 are the CLI's: an item passes, fails or skips as its (case, backend) cell does, each failing item says why in its
 own line, and the session fails where `k3conf run` would exit 1 although no item failed (the backend was judged
 on nothing: every item skip or n/a).
+
+The cases are collected as pytest collects a test file: one collector `k3conf` beside the session's own, so the
+header counts them and `-k` / `-m` deselect from them like any test. Each item is marked `k3conf`, with its block
+and with every core its kind says it exercises (kind_of(case).cores_of(case)), so `-m kda_decode` (or `-k`) keeps
+the model traces that run kda_decode too; every core name is registered as a marker, so `--strict-markers` and
+`-m` on a core no case of the run exercises stay quiet.
 """
 from __future__ import annotations
 
 import io
-import shutil
+import time
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from conformance.cases.catalog import select
-from conformance.report import print_terminal
+from conformance.cases.catalog import all_cases, kind_of
+from conformance.cases.protocol import Case
+from conformance.metadata import collect as collect_metadata
+from conformance.report import print_terminal, write_reports
 from conformance.results import CaseResult, RunReport
 from conformance.runner import case_runner
 from conformance.session import (
     SessionError,
     backend_row,
-    cases_of,
+    check_report_dir,
     checked_backend,
     golden_root,
+    pick_cases,
     strict,
     strict_missing,
 )
+from k3ref.cores import CORE_NAMES
+
+try:   # pytest's JUnit writer: its per-test attributes (what the record_xml_attribute fixture writes to) live here
+    from _pytest.junitxml import xml_key as JUNIT_KEY
+except ImportError:   # a pytest that moved it: the JUnit rows keep pytest's own classname (empty for these ids)
+    JUNIT_KEY = None  # type: ignore[assignment]  # the key's type is pytest's; None marks it missing
+
+COLLECTOR = "k3conf"   # the collector's name and nodeid, the marker every case carries, the JUnit classname's head
+SUMMARY_WIDTH = 160    # the table's width in the summary section, as `k3conf run` prints it off a terminal
 
 
 def pytest_configure(config) -> None:
@@ -38,6 +56,11 @@ def pytest_configure(config) -> None:
 
 class CaseFailed(AssertionError):
     """A case that failed its gates (or errored) on the backend; the message is its result's failure line."""
+
+
+def markers_of(case: Case) -> list[str]:
+    """`k3conf`, the case's block, and every core the case exercises (a trace exercises them all)."""
+    return list(dict.fromkeys([COLLECTOR, case.block, *sorted(kind_of(case).cores_of(case))]))
 
 
 class ConformanceSession:
@@ -56,68 +79,167 @@ class ConformanceSession:
         self.row = backend_row(spec, check.backend, check, must_judge=True)   # the one backend asked for
         self.strict_missing = strict_missing([self.row])
         cfg = config.getoption("k3conf_config")
-        patterns = config.getoption("k3conf_cases")
-        self.cases = select(cases_of(cfg), patterns)
-        if not self.cases:
-            raise pytest.UsageError(f"--k3conf-cases {patterns}: no case matches in config {cfg!r}; "
-                                    "`k3conf list cases` shows them")
+        try:
+            self.cases = pick_cases(cfg, config.getoption("k3conf_cases"))
+        except SessionError as e:
+            raise pytest.UsageError(_as_plugin_option(str(e), "--cases")) from None
         golden = config.getoption("k3conf_golden")
         try:
             root = golden_root(Path(golden) if golden else None, cfg)
         except SessionError as e:
             raise pytest.UsageError(str(e)) from None
+        self.report_dir = self._report_dir(config)
         self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"), specs={check.backend.name: spec})
-        self.results: list[CaseResult] = []   # every item run, for the summary table
-        config.addinivalue_line("markers", "k3conf: a K3 conformance case (k3-conformance)")
-        for block in dict.fromkeys(c.block for c in self.cases):
-            config.addinivalue_line("markers", f"{block}: K3 conformance cases of the block {block}")
+        self.results: list[CaseResult] = []   # every item run, for the summary table and the report files
+        self.seconds = 0.0                    # the cases' own time (the session's other tests not counted)
+        self.written: list[Path] = []         # the report files written at the session's end
+        self.unwritten = ""                   # why they could not be, when they could not
+        self._register_markers(config, cfg)
 
-    def report(self, results) -> RunReport:
-        return RunReport(config=self.runner.config, backends=[self.row], results=list(results),
-                         wall_seconds=sum(r.seconds for r in results), copy_bandwidth={},
-                         strict_missing=self.strict_missing)
+    @staticmethod
+    def _report_dir(config) -> Path | None:
+        """--k3conf-report, relative to where pytest was started; refused before any case runs when unwritable."""
+        given = config.getoption("k3conf_report")
+        if not given:
+            return None
+        out = Path(config.invocation_params.dir) / given
+        try:
+            check_report_dir(out)
+        except SessionError as e:
+            raise pytest.UsageError(_as_plugin_option(str(e), "--report")) from None
+        return out
 
-    def run(self, case) -> CaseResult:
+    @staticmethod
+    def _register_markers(config, cfg: str) -> None:
+        """`k3conf`, every core and every block of the case set: the names a marker expression may use, whichever
+        cases this run selected."""
+        config.addinivalue_line("markers", f"{COLLECTOR}: a K3 conformance case (k3-conformance)")
+        blocks = [c.block for c in all_cases(cfg)]
+        for name in dict.fromkeys([*CORE_NAMES, *blocks]):
+            config.addinivalue_line("markers", f"{name}: K3 conformance cases of {name} and the cases that run it "
+                                               "(composite cases, model traces)")
+
+    def report(self) -> RunReport:
+        return RunReport(config=self.runner.config, backends=[self.row], results=list(self.results),
+                         wall_seconds=self.seconds, copy_bandwidth={}, strict_missing=self.strict_missing)
+
+    def run(self, case: Case) -> CaseResult:
+        t0 = time.perf_counter()
         res = self.runner.run_one(case, self.backend)
+        self.seconds += time.perf_counter() - t0
         self.results.append(res)
         return res
 
-    def pytest_sessionfinish(self, session) -> None:
-        """A session in which no item failed still fails where `k3conf run` exits 1: the backend was judged on
-        nothing (every item skip or n/a). The reason is the first line of the k3conf summary section."""
-        if self.results and self.report(self.results).exit_code and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector):
+        """The session's top-level collectors, and `k3conf` after them: collected, counted and deselected as a
+        test file is."""
+        report = yield
+        if isinstance(collector, pytest.Session) and report.passed:
+            report.result.append(CaseCollection.from_parent(collector, name=COLLECTOR, nodeid=COLLECTOR,
+                                                            conformance=self))
+        return report
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints."""
+    def pytest_sessionfinish(self, session) -> None:
+        """The report files, when asked for. A session in which no item failed still fails where `k3conf run`
+        exits 1: the backend was judged on nothing (every item skip or n/a). The reason is the first line of
+        the k3conf summary section."""
         if not self.results:
             return
+        report = self.report()
+        if self.report_dir is not None:
+            self._write(report)
+        if report.exit_code and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if self.unwritten and session.exitstatus == pytest.ExitCode.OK:   # as `k3conf run`: a run without its
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR                 # report files is no pass
+
+    def _write(self, report: RunReport) -> None:
+        report.metadata = collect_metadata(root=self.runner.root, config=self.runner.config, seed=self.runner.seed,
+                                           duration=self.seconds)
+        assert self.report_dir is not None
+        try:
+            self.written = write_reports(report, self.report_dir)
+        except OSError as e:
+            self.unwritten = (f"cannot write the reports to {self.report_dir} ({e.strerror or e}); "
+                              "none was written")
+
+    def pytest_unconfigure(self, config) -> None:
+        self.runner.close()   # its worker processes and fresh inputs, now rather than when it is collected
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints,
+        and where the report files went."""
+        if not self.results:
+            if self.report_dir is not None:
+                terminalreporter.write_line(f"k3conf: no case ran here, so no report was written to {self.report_dir}")
+            return
         text = io.StringIO()
-        width = max(100, shutil.get_terminal_size().columns)
-        print_terminal(self.report(self.results), Console(file=text, width=width))
+        width = max(SUMMARY_WIDTH, terminalreporter.config.get_terminal_writer().fullwidth)
+        print_terminal(self.report(), Console(file=text, width=width))
         terminalreporter.section("k3conf")
         terminalreporter.write(text.getvalue())
+        if self.written:
+            terminalreporter.write_line(f"k3conf reports: {', '.join(str(p) for p in self.written)}")
+        if self.unwritten:
+            terminalreporter.write_line(f"k3conf: {self.unwritten}", red=True)
 
-    @pytest.hookimpl(tryfirst=True)   # before -k / -m deselect
-    def pytest_collection_modifyitems(self, session, config, items) -> None:
-        for case in self.cases:
-            item = CaseItem.from_parent(session, name=case.name, nodeid=case.name, case=case, conformance=self)
-            item.add_marker("k3conf")
-            item.add_marker(case.block)
-            items.append(item)
-
-    def pytest_report_header(self, config) -> str:
+    def pytest_report_header(self, config) -> list[str]:
         state = "available" if self.ok else "unavailable"
-        return (f"k3conf: backend {self.backend.name} ({self.backend.precision}, {state}: {self.why}), "
-                f"{len(self.cases)} case(s) of {self.runner.config}, goldens in {self.runner.root}")
+        lines = [f"k3conf: backend {self.backend.name} ({self.backend.precision}, {state}: {self.why}), "
+                 f"{len(self.cases)} case(s) of {self.runner.config}, goldens in {self.runner.root}"]
+        if self.report_dir is not None:
+            lines.append(f"k3conf: reports to {self.report_dir}")
+        return lines
+
+
+def _as_plugin_option(message: str, cli_option: str) -> str:
+    """A conformance.session message about a `k3conf run` option, naming the plugin's option instead."""
+    option = cli_option.replace("--", "--k3conf-", 1)
+    if cli_option in message:
+        return message.replace(cli_option, option)
+    return f"{option}: {message}"
+
+
+class CaseCollection(pytest.Collector):
+    """The session's conformance cases, as a test file holds its tests: one item per case, in catalog order."""
+
+    def __init__(self, *, conformance: ConformanceSession, **kwargs):
+        super().__init__(**kwargs)
+        self.conformance = conformance
+
+    def collect(self):
+        for case in self.conformance.cases:
+            # the item's id is the case name, as `k3conf run` prints it (and as --deselect takes it)
+            item = CaseItem.from_parent(self, name=case.name, nodeid=case.name, case=case,
+                                        conformance=self.conformance)
+            for marker in markers_of(case):
+                item.add_marker(marker)
+            yield item
 
 
 class CaseItem(pytest.Item):
     """One conformance case on the session's backend."""
 
-    def __init__(self, *, case, conformance: ConformanceSession, **kwargs):
+    def __init__(self, *, case: Case, conformance: ConformanceSession, **kwargs):
         super().__init__(**kwargs)
         self.case, self.conformance = case, conformance
+
+    def setup(self) -> None:
+        self._junit_names()
+
+    def _junit_names(self) -> None:
+        """A JUnit row classed by block (`k3conf.kda_decode`, named `B2-H3-K16`): pytest would derive the class
+        from a file path in the id, and a case id has none (its rows came out with an empty classname)."""
+        xml = self.config.stash.get(JUNIT_KEY, None) if JUNIT_KEY is not None else None
+        if xml is None:   # no --junitxml
+            return
+        classname = f"{COLLECTOR}.{self.case.block}"
+        if xml.prefix:    # --junitprefix, as pytest applies it to its own rows
+            classname = f"{xml.prefix}.{classname}"
+        reporter = xml.node_reporter(self.nodeid)
+        reporter.add_attribute("classname", classname)
+        reporter.add_attribute("name", self.case.name.removeprefix(f"{self.case.block}/"))
 
     def runtest(self) -> None:
         if self.conformance.strict_missing:     # K3_STRICT: a backend that cannot run here fails, as in the CLI

@@ -1,18 +1,19 @@
-"""pytest plugin: the conformance cases as test items of a kernel author's own test run.
+"""pytest plugin: the conformance cases as test items of a kernel author's own test run (a CI route).
 
-    pytest --k3conf-backend my_kernels.k3:make              # every case, besides the repository's tests
-    pytest --k3conf-backend ./k3_backend.py:make -k kda_decode
+    pytest --k3conf-backend my_kernels.k3:make                          # every case, besides the repository's tests
+    pytest --k3conf-backend ./k3_backend.py:make -m kda_decode --junitxml=junit.xml --k3conf-report reports/
 
 Registered under the entry point `pytest11` (name `k3conf`), so it loads in every pytest run of an
 environment where k3-conformance is installed; without `--k3conf-backend` it only adds its options (no
 import of the package's heavy modules, no items, no markers). With it, pytest loads the plugin
-conformance.pytest_cases, which holds the rest. With it, each case becomes one item whose
-id is the case name (`kda_decode/B2-H3-K16`), marked `k3conf` and with its block (`-m kda_decode`); a
-failing item shows its own failure line (case, backend, tensor, why), and the session ends with the run's
-table. Cases whose cores the backend does not supply skip as "n/a (reference core)"; an unavailable backend
-skips every item with its reason (fails it under K3_STRICT, read as `k3conf run` reads it). The verdicts and the
-outcome are those of `k3conf run --backend` on the same cases: a backend judged on nothing (every item skip or
-n/a) fails the session.
+conformance.pytest_cases, which holds the rest: one collector `k3conf` whose items are the cases, each item's id
+its case name (`kda_decode/B2-H3-K16`), marked `k3conf`, with its block and with every core it exercises (`-m
+kda_decode` selects the kda_decode cases and the model traces that run kda_decode); a failing item shows its own
+failure line (case, backend, tensor, why); JUnit rows are classed by block (`k3conf.kda_decode`); the session ends
+with the run's table, and `--k3conf-report DIR` writes the report files `k3conf run --report DIR` writes. Cases
+whose cores the backend does not supply skip as "n/a (reference core)"; an unavailable backend skips every item
+with its reason (fails it under K3_STRICT, read as `k3conf run` reads it). The verdicts and the outcome are those
+of `k3conf run --backend` on the same cases: a backend judged on nothing (every item skip or n/a) fails the session.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def pytest_addoption(parser) -> None:
                     help="case set (default tiny; the others come from `k3conf regen --shapes NAME`)")
     group.addoption("--k3conf-golden", metavar="DIR", default=None,
                     help="golden directory (default: the package's goldens for tiny, the cache for small)")
+    group.addoption("--k3conf-report", metavar="DIR", default=None,
+                    help="also write report.json, report.md and report.html of the cases run here, as `k3conf run "
+                         "--report DIR` does (default: none)")
     group.addoption("--k3conf-timing", action="store_true",
                     help="also measure speed and apply the speed gates (off by default: tests are not benchmarks)")
 
