@@ -11,14 +11,17 @@
 # 4. tools/gpu_bench.py (L2 flushed before every event pair, GB/s, ratio to a copy kernel timed in the same run,
 #    torch eager speedup). A target that a kernel's current version is known not to reach (its header says why;
 #    EXPECTED_MISSES in gpu_bench.py) is listed as XMISS and does not fail the check; any other miss does.
-# 5. compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every kernel's check cases on the GPU
+# 5. the device-tensor path on the GPU, when torch sees one: the bf16 torch baseline and the example torch-tensor
+#    backend (examples/torch_tensor_backend.py) on CUDA tensors (inputs uploaded once, CUDA-event timing with the L2
+#    flushed), and fla's KDA kernels when fla-core is installed (the report names Triton or FlashKDA);
+# 6. compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every kernel's check cases on the GPU
 #    (tests/k3cuda/test_k3cuda_gpu.py::test_kernel_matches_reference and the launch variants); a missing
 #    compute-sanitizer is a failure (exit 6), never a skip; any error it reports fails its step.
 # Logs and gpu_bench.json go to LOG_DIR (default reports/gpu_check); a short table is printed last.
 # Every step runs even if an earlier one fails; the exit status is the first failure's: 0 only when every step
 # passed (expected misses aside); 4 when k3cuda.available() says no, since the GPU tests would then only skip;
 # gpu_bench exits 1 when nothing was timed, pytest 5 when no GPU test was collected.
-# Budget: under 12 minutes in all (each step has its own timeout; the four sanitizer passes at most 90 s each).
+# Budget: under 14 minutes in all (each step has its own timeout; the four sanitizer passes at most 90 s each).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}   # rich tables stay readable in the logs
 cd "$(dirname "$0")/.."
@@ -77,6 +80,18 @@ step pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests --tb=short
 step k3conf_cuda 90 $PY -m conformance run --backend cuda
 
 step gpu_bench 200 $PY tools/gpu_bench.py --out "$LOG_DIR"
+
+if $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    step torch_tensors 120 env K3CONF_EXAMPLE_DEVICE=cuda $PY -m conformance run --backend torch-bf16 \
+        examples/torch_tensor_backend.py:make --cases 'rmsnorm/*' 'kda_decode/*' --report "$LOG_DIR/torch_tensors"
+    if $PY -c "import fla" 2>/dev/null; then
+        step fla_gpu 150 $PY -m conformance run --backend fla --cases 'kda_*' --report "$LOG_DIR/fla"
+    else
+        echo "!! fla-core is not installed: fla's kernels were not judged on the GPU (pip install -r requirements-fla.txt)"
+    fi
+else
+    echo "!! torch does not see a CUDA GPU: the device-tensor steps did not run"
+fi
 
 # compute-sanitizer: every check case under each tool (the CPU emulation's own checks run in CI: marker sanitize)
 SANITIZER=$(command -v compute-sanitizer || true)
