@@ -157,6 +157,40 @@ class BackendBase(abc.ABC):
         return []
 
 
+class WrappedBackend(BackendBase):
+    """A backend that stands for `inner` and changes how its cores are called (guarded, on device tensors):
+    everything it does not override is the inner backend's."""
+
+    def __init__(self, inner: BackendBase):
+        self.inner = inner
+        self.name, self.precision, self.deterministic = inner.name, inner.precision, inner.deterministic
+
+    @property
+    def device(self) -> str:
+        return self.inner.device
+
+    def available(self) -> tuple[bool, str]:
+        return self.inner.available()
+
+    def cores(self) -> Cores:
+        return self.inner.cores()
+
+    def time_core(self, core: str, inputs: dict) -> float | None:
+        return self.inner.time_core(core, inputs)
+
+    def kernel_cores(self) -> frozenset[str]:
+        return self.inner.kernel_cores()
+
+    def copy_bandwidth(self) -> float | None:
+        return self.inner.copy_bandwidth()
+
+    def speed_target(self, block: str) -> float | None:
+        return self.inner.speed_target(block)
+
+    def run_notes(self) -> list[str]:
+        return self.inner.run_notes()
+
+
 class WholeModelBackend(BackendBase):
     """A backend that runs the model traces by its own wiring (an eager model): the trace kind hands it the
     whole trace instead of running the trace on its cores."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from conformance.backends import protocol
-from conformance.backends.protocol import BackendBase, BackendError, MinimalBackend, WholeModelBackend
+from conformance.backends.protocol import BackendBase, BackendError, MinimalBackend, WholeModelBackend, WrappedBackend
 from conformance.cases.core import CORE_SPECS
 from conformance.isolation.guard import InputWritten
 from k3ref.cores import CORE_NAMES, IN_OUT, Cores, reference_cores
@@ -147,7 +147,7 @@ def _same_device(found: torch.device, declared: torch.device) -> bool:
     return found.type == declared.type and (declared.index is None or found.index == declared.index)
 
 
-class TorchTensorBackend(BackendBase):
+class TorchTensorBackend(WrappedBackend):
     """`inner` (a backend whose kernel cores take and return torch tensors on `inner.device`) with NumPy cores;
     see the module docstring for what each call does and checks."""
 
@@ -157,16 +157,11 @@ class TorchTensorBackend(BackendBase):
         if isinstance(inner, WholeModelBackend):
             raise BackendError(f"backend {inner.name}: tensors='torch' applies to cores; a whole-model backend runs "
                                "its traces by its own wiring (leave tensors at 'numpy')")
-        self.inner = inner
-        self.name, self.precision, self.deterministic = inner.name, inner.precision, inner.deterministic
+        super().__init__(inner)
         self._cores: Cores | None = None
 
     def __repr__(self) -> str:
         return f"TorchTensorBackend({self.inner!r})"
-
-    @property
-    def device(self) -> str:
-        return self.inner.device
 
     @property
     def torch_device(self) -> torch.device:
@@ -194,18 +189,6 @@ class TorchTensorBackend(BackendBase):
         if device.type == "cuda" and not torch.cuda.is_available():
             return False, f"its tensors live on {device}, and torch {torch.__version__} sees no CUDA GPU"
         return True, why
-
-    def kernel_cores(self) -> frozenset[str]:
-        return self.inner.kernel_cores()
-
-    def copy_bandwidth(self) -> float | None:
-        return self.inner.copy_bandwidth()
-
-    def speed_target(self, block: str) -> float | None:
-        return self.inner.speed_target(block)
-
-    def run_notes(self) -> list[str]:
-        return self.inner.run_notes()
 
     def _on_device(self) -> frozenset[str]:
         return self.kernel_cores() - NOT_ON_DEVICE

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from conformance.backends.protocol import BackendBase, WholeModelBackend
+from conformance.backends.protocol import BackendBase, WholeModelBackend, WrappedBackend
 from k3ref.cores import CORE_NAMES, IN_OUT, Cores, reference_cores
 
 Report = Callable[[str, str], None]
@@ -90,37 +90,15 @@ def guard_cores(cores: Cores, on_event: Report, check_writes: bool = True) -> Co
                             for name in CORE_NAMES})
 
 
-class Guarded(BackendBase):
+class Guarded(WrappedBackend):
     """`inner` with its cores guarded; everything else is the inner backend's."""
 
     def __init__(self, inner: BackendBase, on_event: Report, check_writes: bool = True):
-        self.inner, self.on_event, self.check_writes = inner, on_event, check_writes
-        self.name, self.precision, self.deterministic = inner.name, inner.precision, inner.deterministic
-
-    @property
-    def device(self) -> str:
-        return self.inner.device
-
-    def available(self) -> tuple[bool, str]:
-        return self.inner.available()
+        super().__init__(inner)
+        self.on_event, self.check_writes = on_event, check_writes
 
     def cores(self) -> Cores:
         return guard_cores(self.inner.cores(), self.on_event, self.check_writes)
-
-    def time_core(self, core: str, inputs: dict) -> float | None:
-        return self.inner.time_core(core, inputs)
-
-    def kernel_cores(self) -> frozenset[str]:
-        return self.inner.kernel_cores()
-
-    def copy_bandwidth(self) -> float | None:
-        return self.inner.copy_bandwidth()
-
-    def speed_target(self, block: str) -> float | None:
-        return self.inner.speed_target(block)
-
-    def run_notes(self) -> list[str]:
-        return self.inner.run_notes()
 
 
 def guarded(backend: BackendBase, on_event: Report, check_writes: bool = True) -> BackendBase:
