@@ -10,7 +10,7 @@ nvidia-smi with a short time limit) and never raises: a field that cannot be rea
 - torch: its version is read from the installed distribution and its CUDA version from torch/version.py, without
   importing torch (seconds, and it may be absent); when a backend of the run imported torch and initialised CUDA,
   the GPU is the one torch used, else the GPUs nvidia-smi lists (the driver never initialised in this process).
-- blas: threadpoolctl's view of the loaded BLAS when it is installed (library, version, threads), else the BLAS
+- blas: threadpoolctl's view of the loaded BLAS (library, version, kernel architecture, threads), else the BLAS
   NumPy was built with (numpy.show_config) and the thread variables of the environment.
 """
 from __future__ import annotations
@@ -32,13 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from conformance import __version__
+from k3ref.threads import blas_info, describe_blas
 
 METADATA_VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent
 SUBPROCESS_TIMEOUT = 2.0   # seconds git or nvidia-smi may take before the field is left None
 # variables that change what a run computes or how fast: the fresh seed, strict mode, threads, visible GPUs
 ENV_NAMES = ("K3_STRICT", "K3CONF_FRESH_SEED", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-             "MKL_NUM_THREADS")
+             "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "NUMBA_NUM_THREADS", "K3_THREADS")
 ENV_PREFIXES = ("K3_CUDA_",)
 
 
@@ -187,16 +188,15 @@ def _driver_version() -> str | None:
 
 
 def blas_state() -> dict | None:
-    """The BLAS NumPy uses and its threads: threadpoolctl's live view when installed, else NumPy's build
-    configuration and the thread variables set in the environment (None: the library's own default)."""
-    if importlib.util.find_spec("threadpoolctl") is not None:
-        from threadpoolctl import threadpool_info  # noqa: PLC0415 -- optional: it may not be installed
-
-        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
-        if pools:
-            p = pools[0]
-            return {"source": "threadpoolctl", "name": p.get("internal_api"), "version": p.get("version"),
-                    "threads": p.get("num_threads"), "library": p.get("filepath")}
+    """The BLAS NumPy uses: threadpoolctl's live view (library, version, kernel architecture, threads); the
+    architecture is OpenBLAS's core type, which changes the rounding of its GEMMs (FMA or not). Without a loaded
+    BLAS found, NumPy's build configuration and the thread variables set in the environment."""
+    libs = blas_info()
+    if libs:
+        p = libs[0]
+        return {"source": "threadpoolctl", "name": p.get("internal_api"), "version": p.get("version"),
+                "architecture": p.get("architecture"), "threads": p.get("num_threads"),
+                "library": p.get("filepath"), "description": describe_blas()}
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     threads = next((os.environ[n] for n in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
                     if os.environ.get(n)), None)

@@ -8,18 +8,17 @@ command; the run goes on). Per backend the case's kind runs it, each golden outp
 the same-precision baseline (fp32: numpy32, bf16: torch-bf16) on the same tensor, so the baseline is run
 on the case too (cached) even when it was not asked for; when it cannot run, the cap alone applies and the
 row says so. The baseline itself is judged by its absolute row (gates.BASELINE_GATES), never by itself. Each case
-is gated by the caps measured on its own shape set (its config); on a set with none measured, no cap applies
-(conformance.judge.gates).
-Speed: each (case, backend) with a timer gets bytes/s over the copy bandwidth measured in the same run and
-its time over the baseline backend's time.
+is gated by the caps measured on its own shape set (its config); on a set with none measured, no cap applies.
+Speed: each (case, backend) with a timer gets bytes/s over the copy bandwidth measured in the same run and its time
+over the baseline backend's time; the run pins BLAS to one thread (k3ref.threads), as the references do.
 
 Every (case, backend) ends as one of: pass, fail (a gate failed), error (the backend or the golden broke;
 counted as a failure), skip (the backend's core raised UnsupportedShape: valid inputs it is not built for)
 or n/a (none of the cores the case exercises is one the backend supplies itself, so only the reference
 core would run: nothing of the backend is tested, and the case is not run). A kind may mark tensors as
 reported, not gated (the free-running trace's intermediates): they are shown and never fail a case.
-Under K3_STRICT=1 a backend that cannot run here, other than those needing an accelerator
-(backends.DEVICE_BACKENDS), fails the run with its reason.
+Under K3_STRICT=1 a backend that cannot run here, other than those needing an accelerator (DEVICE_BACKENDS), fails
+the run with its reason.
 
 Every backend but the built-in NumPy references (IN_PROCESS) is untrusted: its cases run in a worker process of
 its own (conformance.isolation), each core call on its own copies of the inputs, checked for writes; a crash,
@@ -63,6 +62,7 @@ from conformance.metadata import collect as collect_metadata
 from conformance.results import CaseResult, RunReport, TensorResult
 from conformance.session import SessionError, resolve_backends, strict_missing
 from k3ref.cores import UnsupportedShape
+from k3ref.threads import fixed_blas
 
 # The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
 # vs torch per block, on a GPU the kernels vs torch eager on the same device.
@@ -388,6 +388,7 @@ def case_runner(root: Path, config: str = "tiny", timing: bool = True, *, timeou
     return runner
 
 
+@fixed_blas
 def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, config: str = "tiny",
         timing: bool = True, progress=None, timeout: float = DEFAULT_TIMEOUT,
         in_process: frozenset[str] = IN_PROCESS) -> RunReport:
@@ -403,8 +404,7 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
     for row in rows:   # how each backend ran, in the report
         row["isolation"] = ("in the run's process (built-in NumPy reference)" if row["name"] in in_process
                             else f"worker process, time limit {timeout:g} s per core call")
-    results = []
-    total = len(cases) * len(backends)
+    results, total = [], len(cases) * len(backends)
     try:
         for case in cases:
             for b in backends:

@@ -26,6 +26,7 @@ import numpy as np
 
 from .checks import as_float, check_shape, is_finite_real, require
 from .ops import softmax
+from .threads import fixed_blas
 
 
 def _as_sources(sources) -> np.ndarray:
@@ -77,6 +78,7 @@ def attnres_blend(skip: np.ndarray, mixed: np.ndarray, mix: float) -> np.ndarray
     return (1.0 - mix) * skip + mix * mixed
 
 
+@fixed_blas
 def attnres_mix(sources, proj_w: np.ndarray, norm_w: np.ndarray, mix: float = 1.0,
                 eps: float = 1e-5) -> np.ndarray:
     """The `attnres_mix` core: attnres_blend(sum_i V_i, AR(V), mix).

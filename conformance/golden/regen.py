@@ -29,6 +29,7 @@ from conformance.golden.store import (
     regen_command,
     save_manifest,
 )
+from k3ref.threads import fixed_blas
 
 
 def metadata(case: Case, kwargs: Mapping) -> dict[str, str]:
@@ -127,6 +128,7 @@ def _compare(case: Case, path: Path, blob: bytes, old: bytes | None, check: bool
     return ("drift" if check else "changed"), drift
 
 
+@fixed_blas
 def regenerate(cases: Iterable[Case], root: Path, *, check: bool = False, accept: bool = False,
                known: Iterable[str] | None = None, config: str | None = None) -> list[RegenOutcome]:
     """Recompute every case's golden under `root`.

@@ -6,17 +6,20 @@ one run: these machines are shared and noisy.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import re
+import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from k3ref.threads import blas_threads, describe_blas
+
 FLOOR_COPY_BYTES = 512 << 20    # the memory floor's copy: 512 MB of float32, far beyond any cache here
 FLOOR_REPEATS = 5               # best of 5 (these machines are shared: the best run is the least disturbed)
+QUICK_ENV = "K3_BENCH_QUICK"    # "1": the short pass CI runs (`make bench-quick`): fewer timed rounds per target
+QUICK_REPEATS = 2               # rounds per target in the short pass (after the untimed warm-up round)
 
 
 class SpeedTargetMissed(Exception):
@@ -59,11 +62,27 @@ class CopyFloor:
         return nbytes / self.bandwidth(copy_seconds)
 
 
-def race(fns: Mapping[str, Callable[[], object]], repeats: int = FLOOR_REPEATS,
+def quick() -> bool:
+    """True in the short benchmark pass (K3_BENCH_QUICK=1); a value other than 1, 0 or empty raises."""
+    raw = os.environ.get(QUICK_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{QUICK_ENV}: expected 1 (the short pass) or 0 / unset (the full one), found {raw!r}")
+    return raw == "1"
+
+
+def bench_repeats(full: int = FLOOR_REPEATS) -> int:
+    """Timed rounds for a benchmark: `full` in `make bench`, at most QUICK_REPEATS in the short pass."""
+    return min(full, QUICK_REPEATS) if quick() else full
+
+
+def race(fns: Mapping[str, Callable[[], object]], repeats: int | None = None,
          inner: Mapping[str, int] | None = None) -> dict[str, float]:
-    """Best seconds of each fn over `repeats` rounds, the fns interleaved within a round (a burst of load
-    from other processes hits all of them, not one), after one untimed warm-up round. inner[name] > 1 times
-    that fn so many times per round (for work much shorter than the floor's copy)."""
+    """Best seconds of each fn over `repeats` rounds (default `bench_repeats()`: 5, or 2 in the short pass), the fns
+    interleaved within a round (a burst of load from other processes hits all of them, not one), after one
+    untimed warm-up round. inner[name] > 1 times that fn so many times per round (for work much shorter than
+    the floor's copy)."""
+    if repeats is None:
+        repeats = bench_repeats()
     inner = inner or {}
     for fn in fns.values():
         fn()
@@ -97,37 +116,17 @@ def copy_bandwidth(nbytes: int = 1 << 27, repeats: int = 5) -> float:
     return 2 * src.nbytes / min(timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
 
 
-def _openblas_thread_fns():
-    try:
-        maps = open("/proc/self/maps").read()  # Linux: the loaded shared objects
-    except OSError:
-        return None
-    for path in sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", maps))):
-        lib = ctypes.CDLL(path)
-        for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "")):
-            if hasattr(lib, f"{prefix}set_num_threads{suffix}"):
-                return (getattr(lib, f"{prefix}set_num_threads{suffix}"),
-                        getattr(lib, f"{prefix}get_num_threads{suffix}"))
-    return None
-
-
 @contextlib.contextmanager
-def one_blas_thread():
-    """Run OpenBLAS on one thread inside the block (restored after).
+def one_blas_thread() -> Iterator[str]:
+    """Run the loaded BLAS on one thread inside the block (restored after); yields a line saying what it did.
 
     On a small shared machine a threaded GEMV spin-waits for a busy core: measured here, a [4864, 1024]
-    float32 GEMV ran at 3 GB/s on two threads under load and at 20 GB/s on one. Yields a line saying what it did.
+    float32 GEMV ran at 3 GB/s on two threads under load and at 20 GB/s on one. The references pin one thread
+    themselves (k3ref.threads.fixed_blas); this pins the code around them too (baselines, floors).
     """
-    fns = _openblas_thread_fns()
-    if fns is None:
-        yield "BLAS threads unchanged (no OpenBLAS found)"
-        return
-    before = fns[1]()
-    fns[0](1)
-    try:
-        yield f"OpenBLAS on 1 thread (was {before})"
-    finally:
-        fns[0](before)
+    before = describe_blas()
+    with blas_threads(1):
+        yield f"{describe_blas()} (was: {before})"
 
 
 @functools.cache
