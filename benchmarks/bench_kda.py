@@ -1,49 +1,85 @@
-"""KDA speed on this CPU (float32, one BLAS thread), every ratio measured in one run.
+"""KDA speed on this CPU (float32), every ratio measured in one run, on one pinned thread and on all cores.
 
-1. Prefill: `kda_chunked` (WY/UT, chunk 64) over `kda_recurrent` at B=1, T=1024, H=4, K=V=128, lower bound -5.
+1. Prefill: `kda_chunked` over `kda_recurrent` (the readable NumPy loop) at B=1, T=1024, H=4, K=V=128, lower
+   bound -5, in float32 (the NumPy WY/UT form) and float64 (the compiled form: `k3ref.kda.JIT_PREFILL_DTYPES`).
    Target: chunked time / recurrent time < 0.5 (the two interleaved, best of 5).
 2. Decode: `kda_decode_core` at H=96, K=V=128 (K3's heads), B=1 and B=8, over the memory floor
        floor bytes = 2 * B*H*K*V * 4          # S read + new S written (float32); q, k, v, gates are ~100 KB per B
    at the bandwidth of the shared 512 MB float32 copy (conftest `floor`), copy and core interleaved.
    Target: <= 3x the floor.
+Thread modes: "pinned" runs BLAS and numba on one thread; "all-cores" leaves both as a user gets them (numba on
+every core, `k3ref.threads.compute_threads()`; the references pin their own BLAS calls to one thread).
 Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_kda.py -q -s)
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import numpy as np
 import pytest
 
 from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
 from k3ref.kda import kda_chunked, kda_decode_core, kda_gate, kda_recurrent
+from k3ref.threads import compute_threads, numba_threads
 
 CHUNKED_OVER_RECURRENT_MAX = 0.5   # the chunked prefill must take under half the recurrent one's time
 DECODE_FLOOR_TARGET = 3.0          # decode core time over the memory floor
 
 
-def _prefill_inputs(B=1, T=1024, H=4, K=128, V=128, seed=0):
+THREAD_MODES = [pytest.param(True, id="pinned"), pytest.param(False, id="all-cores")]
+
+
+@contextlib.contextmanager
+def thread_mode(pinned: bool):
+    """One BLAS and one numba thread (pinned), or the defaults; yields a line naming the mode and the load."""
+    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    if not pinned:
+        yield f"all cores (numba on {compute_threads()} threads), {load}"
+        return
+    with one_blas_thread(), numba_threads(1):
+        yield f"pinned to 1 thread, {load}"
+
+
+def _mode_name(pinned: bool) -> str:
+    return "pinned" if pinned else "all cores"
+
+
+def _prefill_inputs(dtype=np.float32, B=1, T=1024, H=4, K=128, V=128, seed=0):
     rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((2, B, T, H, K), dtype=np.float32)
-    v = rng.standard_normal((B, T, H, V), dtype=np.float32)
-    g = kda_gate(rng.standard_normal((B, T, H, K), dtype=np.float32), np.log(rng.uniform(1, 16, H)).astype(np.float32),
-                 rng.uniform(-1, 1, H * K).astype(np.float32))
-    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
-    return q, k, v, g, beta
+    q, k = rng.standard_normal((2, B, T, H, K))
+    v = rng.standard_normal((B, T, H, V))
+    g = kda_gate(rng.standard_normal((B, T, H, K)), np.log(rng.uniform(1, 16, H)), rng.uniform(-1, 1, H * K))
+    beta = rng.uniform(0, 1, (B, T, H))
+    return tuple(a.astype(dtype) for a in (q, k, v, g, beta))
 
 
-def test_chunked_prefill_vs_recurrent(benchmark, speed):
-    inputs = _prefill_inputs()
+# float32 runs the NumPy WY/UT form (k3ref.kda.JIT_PREFILL_DTYPES says why); on 2026-12-04 (load average 4-5) it
+# measured 0.38-0.47 and once 0.517 pinned, where the compiled form measured 0.19-0.30 in float32
+FP32_PREFILL = pytest.param(np.float32, id="fp32", marks=pytest.mark.xfail(
+    raises=SpeedTargetMissed, strict=False,
+    reason="float32 keeps the NumPy WY/UT form (the judge's fp32 baseline must err as a chunked kernel does): "
+           "0.38-0.47 under load, once 0.517; the compiled form (0.19-0.30) is used in float64 only"))
+
+
+@pytest.mark.parametrize("pinned", THREAD_MODES)
+@pytest.mark.parametrize("dtype", [FP32_PREFILL, pytest.param(np.float64, id="fp64")])
+def test_chunked_prefill_vs_recurrent(benchmark, speed, dtype, pinned):
+    inputs = _prefill_inputs(dtype)
     fns = {"chunked": lambda: kda_chunked(*inputs, use_qk_l2norm=True),
            "recurrent": lambda: kda_recurrent(*inputs, use_qk_l2norm=True)}
-    with one_blas_thread() as blas:
+    with thread_mode(pinned) as mode:
         best = race(fns)
         o, S = benchmark.pedantic(fns["chunked"], rounds=3, iterations=1)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(S)), "kda_chunked returned NaN/Inf"
     ratio = best["chunked"] / best["recurrent"]
     benchmark.extra_info.update(chunked_s=best["chunked"], recurrent_s=best["recurrent"], ratio=ratio)
-    print(f"\nKDA prefill B=1 T=1024 H=4 K=V=128 fp32 ({blas}): chunked {best['chunked'] * 1e3:.1f} ms, "
+    name = np.dtype(dtype).name
+    print(f"\nKDA prefill B=1 T=1024 H=4 K=V=128 {name} ({mode}): chunked {best['chunked'] * 1e3:.1f} ms, "
           f"recurrent {best['recurrent'] * 1e3:.1f} ms, ratio {ratio:.3f}")
-    speed.check("kda_chunked / kda_recurrent, T1024 H4 K=V=128", ratio, CHUNKED_OVER_RECURRENT_MAX,
-                f"{best['chunked'] * 1e3:.1f} ms / {best['recurrent'] * 1e3:.1f} ms")
+    times = f"{best['chunked'] * 1e3:.1f} ms / {best['recurrent'] * 1e3:.1f} ms"
+    speed.check(f"kda_chunked / kda_recurrent, T1024 H4 K=V=128 {name}, {_mode_name(pinned)}", ratio,
+                CHUNKED_OVER_RECURRENT_MAX, f"{times}; {mode}")
 
 
 def decode_floor_bytes(state: np.ndarray) -> int:
@@ -63,27 +99,32 @@ def _decode_inputs(B, H=96, K=128, V=128, seed=1):
     return q, k, v, g_raw, beta_raw, A_log, dt_bias, state
 
 
-DECODE_CASES = [
-    pytest.param(1, id="B1", marks=pytest.mark.xfail(
-        raises=SpeedTargetMissed, strict=False,
-        reason="met under load (1.9-2.3x on 2026-12-02, copy at 10-12 GB/s), missed on a quieter machine (5.8x, "
-               "copy at 23 GB/s): the gates, L2 norms and ~6 NumPy passes over the 6 MB state (it fits in L3) cost "
-               "~3 ms whatever the DRAM bandwidth; meeting 3x needs a fused one-pass update (compiled code)")),
-    pytest.param(8, id="B8", marks=pytest.mark.xfail(
-        raises=SpeedTargetMissed, strict=False,
-        reason="measured 4.6-5.5x the floor on 2026-12-02: per cache-sized block NumPy makes ~6 "
-               "passes (S^T [k | q], the decay, the k u^T temporary, the add) and the fresh 50 MB output is "
-               "zeroed by the kernel first; meeting 3x needs a fused one-pass update (compiled code)")),
-]
+# B1 runs on one thread in both modes (6.3 MB of state: below DECODE_BYTES_PER_THREAD), so its two rows differ by noise
+DECODE_CASES = [pytest.param(1, id="B1", marks=pytest.mark.xfail(
+    raises=SpeedTargetMissed, strict=False,
+    reason="1.2-2.9x in 8 runs on 2026-12-04 and once 3.06x with the copy floor at 33 GB/s (0.38 ms): the compiled "
+           "step takes ~0.48 ms, and the gates, L2 norms and argument checks before it, in NumPy, ~0.38 ms; "
+           "meeting 3x on a quiet machine needs those fused into the compiled step")),
+                pytest.param(8, id="B8")]
+# B8 (a 50 MB state; 2026-12-04, load average 4-7): pinned 2.5-3.0x while the copy floor ran at 15-19 GB/s, 3.58x
+# when it ran at 27.6 GB/s; all cores 1.4-2.98x and once 3.3x (a thread descheduled on the shared 2 cores)
+B8_DECLARED = pytest.mark.xfail(
+    raises=SpeedTargetMissed, strict=False,
+    reason="a single-thread decode streams the 50 MB state at ~12 GB/s of read + read-for-ownership + write traffic "
+           "(the floor's memcpy writes with non-temporal stores, so it moves 2 bytes where the step moves 3); meeting "
+           "3x on a quiet machine needs non-temporal stores of the new state, which numba does not expose")
 
 
+@pytest.mark.parametrize("pinned", THREAD_MODES)
 @pytest.mark.parametrize("B", DECODE_CASES)
-def test_decode_core_over_memory_floor(benchmark, speed, floor, B):
+def test_decode_core_over_memory_floor(benchmark, speed, floor, B, pinned, request):
+    if B == 8:
+        request.applymarker(B8_DECLARED)
     args = _decode_inputs(B)
     state = args[-1]
     floor_bytes = decode_floor_bytes(state)
     fns = {"copy": floor, "decode": lambda: kda_decode_core(*args)}
-    with one_blas_thread():
+    with thread_mode(pinned) as mode:
         best = race(fns, inner={"decode": 4})
         o, new_state = benchmark.pedantic(fns["decode"], rounds=10, iterations=1)
     assert o.dtype == np.float32 and new_state.dtype == np.float32 and np.all(np.isfinite(o))
@@ -91,7 +132,7 @@ def test_decode_core_over_memory_floor(benchmark, speed, floor, B):
     ratio = best["decode"] / floor_s
     benchmark.extra_info.update(decode_s=best["decode"], floor_s=floor_s, ratio=ratio,
                                 copy_gb_s=floor.bandwidth(best["copy"]) / 1e9)
-    speed.check(f"kda_decode_core B{B} H96 K=V=128 / floor", ratio, DECODE_FLOOR_TARGET,
+    speed.check(f"kda_decode_core B{B} H96 K=V=128 / floor, {_mode_name(pinned)}", ratio, DECODE_FLOOR_TARGET,
                 f"{best['decode'] * 1e3:.2f} ms vs {floor_s * 1e3:.2f} ms = {floor_bytes / 1e6:.1f} MB at "
-                f"{floor.bandwidth(best['copy']) / 1e9:.1f} GB/s")
+                f"{floor.bandwidth(best['copy']) / 1e9:.1f} GB/s; {mode}")
 

@@ -6,4 +6,50 @@ Each function here computes exactly what its readable counterpart states, reorga
 module has already validated and never import the block module they speed up, so it may call them without a
 cycle.
 tests/k3ref/test_fast.py checks each one against the readable form.
+
+The compiled forms (numba: `k3ref.fast.*_jit`) are the default; environment variable K3_FAST selects them
+("jit", the default) or the NumPy forms of this package ("numpy"), read on every call so a test or a user may
+switch without re-importing. The readable statements (`k3ref.mxfp4.dequantize`, `k3ref.kda.kda_recurrent`, ...)
+never change with it.
 """
+from __future__ import annotations
+
+import os
+import sys
+
+BACKENDS = ("jit", "numpy")
+
+
+def backend() -> str:
+    """The fast-path backend K3_FAST names: "jit" (unset or empty: the default) or "numpy"; anything else raises
+    ValueError naming the accepted values."""
+    raw = os.environ.get("K3_FAST", "").strip().lower()
+    if not raw:
+        return "jit"
+    if raw not in BACKENDS:
+        raise ValueError(f"K3_FAST: expected one of {', '.join(BACKENDS)} (or unset for jit), found {raw!r}")
+    return raw
+
+
+def enabled() -> bool:
+    """True when the compiled (numba) fast paths run: K3_FAST unset, empty or "jit"; False for "numpy"."""
+    return backend() == "jit"
+
+
+# numba's OpenMP threading layer kills a process forked after it started, on the child's first parallel region
+# (SIGTERM: "fork() called from a process already using GNU OpenMP"), and the conformance runner forks its CPU
+# workers. A compiled fast path asks `forked_after_numba()` and runs serial code in such a child.
+_FORK = {"after_numba": False}
+
+
+def _mark_fork_child() -> None:
+    _FORK["after_numba"] = _FORK["after_numba"] or "numba" in sys.modules
+
+
+os.register_at_fork(after_in_child=_mark_fork_child)
+
+
+def forked_after_numba() -> bool:
+    """True in a process forked (at any depth) from one that had numba loaded: numba's parallel regions would kill
+    it, so the compiled paths must run their serial kernels."""
+    return _FORK["after_numba"]

@@ -2,7 +2,8 @@
 over cache-sized blocks of (sequence, head) rows (the decode core).
 
 The readable statement of both is `k3ref.kda.kda_recurrent`; `k3ref.kda.kda_chunked` and
-`k3ref.kda.kda_decode_core` validate their arguments and call `chunked_recurrence` and `decode_step` here.
+`k3ref.kda.kda_decode_core` validate their arguments and call `chunked_recurrence` and `decode_step` here when
+K3_FAST=numpy (by default they call the compiled forms of `k3ref.fast.kda_jit`).
 """
 from __future__ import annotations
 

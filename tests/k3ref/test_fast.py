@@ -1,5 +1,6 @@
 """The tuned CPU forms in k3ref.fast against the readable forms they reorganise (k3ref.kda, k3ref.mxfp4,
-k3ref.latent_moe), on inputs small enough that every block boundary is crossed."""
+k3ref.latent_moe), on inputs small enough that every block boundary is crossed. The KDA functions here are the NumPy
+forms (K3_FAST=numpy); the compiled KDA forms are tested in test_fast_jit_kda.py."""
 from __future__ import annotations
 
 import functools
@@ -101,8 +102,10 @@ def test_gemv_rows_equals_the_dequantised_product(rows_per_block, rng, monkeypat
     assert rel_rms(mxfp4_fast.gemv_rows(packed, scale, x, mxfp4._TABLES), want) <= tol("fp64_same_math")
 
 
-def test_one_token_experts_equal_routed_expert_one_at_a_time():
-    """All experts of one token at once give exactly what `routed_expert` gives for each expert alone."""
+def test_one_token_experts_equal_routed_expert_one_at_a_time(monkeypatch):
+    """All experts of one token at once give exactly what `routed_expert` gives for each expert alone (both in
+    their NumPy forms: K3_FAST=numpy)."""
+    monkeypatch.setenv("K3_FAST", "numpy")
     cfg = lm.LatentMoeConfig(hidden_size=19, num_experts=6, top_k=2, latent_size=64, moe_intermediate_size=32,
                              n_shared_experts=0, shared_intermediate_size=0)
     r = np.random.default_rng(7)
