@@ -1,13 +1,19 @@
-"""One-token decode of the `small` config on this CPU (float32, one BLAS thread) after a 16-token prefill:
-tokens/s and time over the memory floor.
+"""One-token decode of the `small` config on this CPU (float32) after a 16-token prefill: tokens/s and time over the
+memory floor, on one pinned thread and on all cores.
 
 Floor = bytes a decode step must touch (every active float32 weight once: all non-expert weights but the
 embedding table, which costs one row; the selected experts' MXFP4 bytes; the KDA state read + written; the
 MLA cache rows read) at the bandwidth of the shared 512 MB float32 copy (conftest `floor`), copy and decode
 steps interleaved. Target: at most 2x the floor.
+The host graph runs its default forms: the compiled routed experts (`k3ref.fast.latent_moe.routed_pairs_jit`),
+lm_head's float32 blocks as views (no copy), and the other helpers' compiled KDA / MLA paths.
+Thread modes: "pinned" runs BLAS and numba on one thread; "all-cores" leaves both as a user gets them.
 Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_decode.py -q -s)
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -15,10 +21,31 @@ import pytest
 from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
 from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
+from k3ref.threads import compute_threads, numba_threads
 from k3ref.weights import inventory, is_routed_expert
 
 DECODE_FLOOR_TARGET = 2.0  # one-token decode within 2x of the memory floor
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]   # 16 tokens
+_MISS = ("measured {} the floor on 2026-12-04 on the shared 2-core machine (load 3-8): the compiled experts "
+         "take ~16 ms a token and the float32 GEMVs (BLAS) ~45 ms, and ~1700 NumPy calls a token remain (argument "
+         "checks, weight-view look-ups, the router, norms, AttnRes); docs/measurements.md")
+THREAD_MODES = [
+    pytest.param(True, id="pinned", marks=pytest.mark.xfail(raises=SpeedTargetMissed, strict=False,
+                                                            reason=_MISS.format("4.7-6.5x"))),
+    pytest.param(False, id="all-cores", marks=pytest.mark.xfail(
+        raises=SpeedTargetMissed, strict=False, reason=_MISS.format("5.9-25x (other users on both cores)"))),
+]
+
+
+@contextlib.contextmanager
+def thread_mode(pinned: bool):
+    """One BLAS and one numba thread (pinned), or the defaults; yields a line naming the mode and the load."""
+    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    if not pinned:
+        yield f"all cores (numba on {compute_threads()} threads), {load}"
+        return
+    with one_blas_thread(), numba_threads(1):
+        yield f"pinned to 1 thread, {load}"
 
 
 def decode_bytes(model: K3CpuModel, context: int) -> int:
@@ -48,11 +75,8 @@ def small_model():
     return K3CpuModel.synthetic(K3Config.preset("small"), seed=0, dtype=np.float32)
 
 
-@pytest.mark.xfail(raises=SpeedTargetMissed, strict=False,
-                   reason="measured 4.4-6.0x the floor on 2026-12-02: ~2000 NumPy calls per token (argument checks and "
-                          "casts in every block, three MXFP4 dequantisations per layer) and float32 GEMVs that "
-                          "run below copy bandwidth; docs/measurements.md")
-def test_small_decode_vs_memory_floor(benchmark, speed, floor, small_model):
+@pytest.mark.parametrize("pinned", THREAD_MODES)
+def test_small_decode_vs_memory_floor(benchmark, speed, floor, small_model, pinned):
     model = small_model
     cache = model.new_cache()
     seq = cache.add_sequence()
@@ -64,7 +88,7 @@ def test_small_decode_vs_memory_floor(benchmark, speed, floor, small_model):
         state["pos"] += 1
         return logits
 
-    with one_blas_thread() as blas:
+    with thread_mode(pinned) as blas:
         best = race({"copy": floor, "decode": step}, inner={"decode": 2})   # warm-up round casts every weight once
         logits = benchmark.pedantic(step, rounds=3, iterations=1)
     assert np.all(np.isfinite(logits)), "decode returned NaN/Inf logits"
@@ -76,6 +100,6 @@ def test_small_decode_vs_memory_floor(benchmark, speed, floor, small_model):
                                 copy_gb_s=bw / 1e9)
     print(f"\n{blas}; small decode: {1 / best['decode']:.2f} tok/s, {best['decode'] * 1e3:.1f} ms/token, floor "
           f"{floor_s * 1e3:.1f} ms ({nbytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s), ratio {ratio:.2f}x")
-    speed.check("small (0.40B) decode, 1 token after 16 / floor", ratio, DECODE_FLOOR_TARGET,
-                f"{best['decode'] * 1e3:.1f} ms vs {floor_s * 1e3:.1f} ms = {nbytes / 1e6:.0f} MB "
-                f"at {bw / 1e9:.1f} GB/s")
+    speed.check(f"small (0.40B) decode, 1 token after 16 / floor, {'pinned' if pinned else 'all cores'}", ratio,
+                DECODE_FLOOR_TARGET, f"{best['decode'] * 1e3:.1f} ms vs {floor_s * 1e3:.1f} ms = {nbytes / 1e6:.0f} "
+                f"MB at {bw / 1e9:.1f} GB/s; {blas}")

@@ -1,20 +1,49 @@
-"""One K3 routed expert for one token on this CPU (float32, one BLAS thread), over its packed-bytes floor.
+"""One K3 routed expert for one token on this CPU (float32), over its packed-bytes floor, on one pinned thread and
+on all cores.
 
 The expert is K3's: w1, w3 MXFP4 [3072 x 3584], w2 MXFP4 [3584 x 3072], SiTU between (`routed_expert`).
     floor bytes = sum over w1, w3, w2 of packed (N * K/2) + scales (N * K/32)     # read once; z, h are ~30 KB
 at the bandwidth of the shared 512 MB float32 copy (conftest `floor`), copy and expert interleaved.
-Target: <= 10x the floor.
+The expert runs its default form, the compiled dequantise-and-dot (`k3ref.fast.mxfp4_jit`).
+Target: <= 8x the floor.
+Thread modes: "pinned" runs BLAS and numba on one thread; "all-cores" leaves both as a user gets them.
 Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_moe.py -q -s)
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import numpy as np
 import pytest
 
 from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
 from k3ref.latent_moe import LatentMoeConfig, routed_expert
+from k3ref.threads import compute_threads, numba_threads
 
-EXPERT_FLOOR_TARGET = 10.0
+EXPERT_FLOOR_TARGET = 8.0
+THREAD_MODES = [
+    pytest.param(True, id="pinned", marks=pytest.mark.xfail(
+        raises=SpeedTargetMissed, strict=False,
+        reason="measured 17-23x the floor on 2026-12-04 on one core of the shared 2-core machine (load 3-8; the "
+               "NumPy form 52x): the compiled kernel takes ~0.3 ns per code (bit decode, scale, 16 partial sums) "
+               "where 8x the floor needs ~0.13; docs/measurements.md")),
+    pytest.param(False, id="all-cores", marks=pytest.mark.xfail(
+        raises=SpeedTargetMissed, strict=False,
+        reason="measured 20-30x on 2026-12-04: the two cores were shared with other users (load 3-8), so the "
+               "second thread mostly waited; a quiet machine of this type was not available; docs/measurements.md")),
+]
+
+
+@contextlib.contextmanager
+def thread_mode(pinned: bool):
+    """One BLAS and one numba thread (pinned), or the defaults; yields a line naming the mode and the load."""
+    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    if not pinned:
+        yield f"all cores (numba on {compute_threads()} threads), {load}"
+        return
+    with one_blas_thread(), numba_threads(1):
+        yield f"pinned to 1 thread, {load}"
 K3_EXPERT = LatentMoeConfig(hidden_size=7168, num_experts=1, top_k=1, latent_size=3584, moe_intermediate_size=3072,
                             n_shared_experts=0, shared_intermediate_size=0)
 
@@ -36,24 +65,23 @@ def expert_floor_bytes(cfg: LatentMoeConfig) -> int:
     return codes // 2 + codes // 32
 
 
-@pytest.mark.xfail(raises=SpeedTargetMissed, strict=False,
-                   reason="measured 44-57x the floor on 2026-12-02 (147x before blocked "
-                          "dequantisation): NumPy spends >= 1.5 ns per packed byte (a 16-byte table gather per two "
-                          "bytes, the scale multiply, the GEMV over the float32 block) where 10x needs < 0.6 ns; "
-                          "docs/measurements.md")
-def test_k3_expert_one_token_vs_packed_floor(benchmark, speed, floor):
+@pytest.mark.parametrize("pinned", THREAD_MODES)
+def test_k3_expert_one_token_vs_packed_floor(benchmark, speed, floor, pinned):
     cfg = K3_EXPERT
     weights = _expert_weights(cfg, np.random.default_rng(0))
     z = np.random.default_rng(1).standard_normal((1, cfg.latent_size), dtype=np.float32)
     floor_bytes = expert_floor_bytes(cfg)
     fns = {"copy": floor, "expert": lambda: routed_expert(weights, 0, z, cfg)}
-    with one_blas_thread():
+    with thread_mode(pinned) as mode:
         best = race(fns, inner={"expert": 2})
         out = benchmark.pedantic(fns["expert"], rounds=3, iterations=1)
     assert out.shape == z.shape and out.dtype == np.float32 and np.all(np.isfinite(out))
     floor_s = floor.seconds_for(floor_bytes, best["copy"])
     ratio = best["expert"] / floor_s
     benchmark.extra_info.update(expert_s=best["expert"], floor_s=floor_s, ratio=ratio)
-    speed.check("K3 routed expert (w1, w3, SiTU, w2), 1 token / packed floor", ratio, EXPERT_FLOOR_TARGET,
+    print(f"\nK3 routed expert, 1 token ({mode}): {best['expert'] * 1e3:.2f} ms, floor {floor_s * 1e3:.2f} ms, "
+          f"ratio {ratio:.1f}x")
+    speed.check(f"K3 routed expert (w1, w3, SiTU, w2), 1 token / packed floor, {'pinned' if pinned else 'all cores'}",
+                ratio, EXPERT_FLOOR_TARGET,
                 f"{best['expert'] * 1e3:.1f} ms vs {floor_s * 1e3:.2f} ms = {floor_bytes / 1e6:.1f} MB at "
-                f"{floor.bandwidth(best['copy']) / 1e9:.1f} GB/s")
+                f"{floor.bandwidth(best['copy']) / 1e9:.1f} GB/s; {mode}")

@@ -32,12 +32,13 @@ from .cache import HybridCache
 from .checks import is_finite_real, require
 from .config import K3Config
 from .cores import Cores, reference_cores
-from .cpu_weights import LM_HEAD, TEXT_PREFIX, CheckpointWeights, ModuleView, layer_prefix, stored_tensor, take_rows
+from .cpu_weights import LM_HEAD, TEXT_PREFIX, CheckpointWeights, ModuleView, layer_prefix, table_matmul, take_rows
 from .expert_backend import MmapExpertStore, kind_from_env
 from .kda import kda_decode_token, kda_prefill
 from .latent_moe import latent_moe_forward
 from .layer import K3Graph, MixerKind, MlpKind
 from .situ import situ_glu_vec
+from .threads import fixed_blas
 from .weights import CheckpointReader, check_layers, dense_inventory, inventory, missing_layers, synthetic_weights
 
 
@@ -175,13 +176,9 @@ class K3CpuModel:
         return max(1, LM_HEAD_BLOCK_BYTES // (self.cfg.hidden_size * self.dtype.itemsize))
 
     def apply_lm_head(self, x: np.ndarray) -> np.ndarray:
-        """x [T, D] -> x @ lm_head.T [T, rows held], one block of vocab rows converted at a time."""
-        name = self.lm_head_name
-        V, step = stored_tensor(self.weights, name).shape[0], self.lm_head_block_rows()
-        out = np.empty((x.shape[0], V), np.result_type(x.dtype, self.dtype))
-        for lo in range(0, V, step):
-            out[:, lo:lo + step] = x @ self.table_rows(name, slice(lo, lo + step)).T
-        return out
+        """x [T, D] -> x @ lm_head.T [T, rows held], one block of vocab rows at a time (a bf16 table through the
+        compiled bf16 GEMV, never converted; see `table_matmul`)."""
+        return table_matmul(self.weights, self.lm_head_name, x, self.dtype, self.lm_head_block_rows())
 
     def new_cache(self, num_pages: int = 64) -> HybridCache:
         """An empty HybridCache in the model's dtype; `num_pages` pages of the MLA config's page size (64).
@@ -255,6 +252,27 @@ def mixer_forward(ctx: ForwardContext, layer: int, x: np.ndarray, cache: HybridC
     return mla.gated_mla_attend(w, x, m.mla_cfg, cores=ctx.cores)
 
 
+def _reading_ahead(ctx: ForwardContext, layer: int) -> Cores:
+    """ctx.cores with a router that, once it has chosen, asks the model's expert store to read the chosen
+    experts' pages ahead (`MmapExpertStore.prefetch`; under TP only the experts this rank holds), so the
+    read overlaps the work before the experts run. Unchanged cores for in-memory weights (no store)."""
+    store, route = ctx.model.expert_store, ctx.cores.moe_route
+    if store is None:
+        return ctx.cores
+    held = ctx.model.tp.experts if ctx.model.tp is not None else None
+
+    def route_then_read_ahead(*args, **kwargs):
+        weights, indices = route(*args, **kwargs)
+        order = np.asarray(indices).reshape(-1)                      # token by token, router slot order
+        if held is not None:
+            order = np.array([e for e in order if int(e) in held], order.dtype)
+        if order.dtype.kind in "iu":                                  # other indices: the MoE layer names them
+            store.prefetch(layer, order[None])
+        return weights, indices
+
+    return ctx.cores.replace(moe_route=route_then_read_ahead)
+
+
 def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
     """Dense SiTU MLP or Stable LatentMoE over x [T, D]."""
     m, w = ctx.model, ctx.model.layer(layer)
@@ -262,9 +280,10 @@ def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
         d = w.sub("mlp.")
         return situ_glu_vec(x, d["gate_proj.weight"], d["up_proj.weight"], d["down_proj.weight"],
                             beta=m.cfg.situ_beta, linear_beta=m.cfg.situ_linear_beta, cores=ctx.cores)
+    cores = _reading_ahead(ctx, layer)
     if m.tp is None:
-        return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=ctx.cores)
-    return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=ctx.cores, experts=m.tp.experts,
+        return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=cores)
+    return latent_moe_forward(w.sub("block_sparse_moe."), x, m.moe_cfg, cores=cores, experts=m.tp.experts,
                               all_reduce=m.tp.comm.all_reduce)
 
 
@@ -302,6 +321,7 @@ def final_logits(ctx: ForwardContext, hidden) -> np.ndarray:
     return logits if ctx.model.tp is None else ctx.model.tp.gather_vocab(logits)
 
 
+@fixed_blas
 def forward_tokens(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 0, prefill: bool,
                    cores: Cores | None = None, ablation: Ablation = PRODUCTION, recorder=None) -> np.ndarray:
     """Run `tokens` [T] of sequence `seq` through every layer; returns logits [T, vocab].

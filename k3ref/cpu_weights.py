@@ -18,7 +18,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from . import fast
 from .expert_backend import MmapExpertStore, parse_expert_name
+from .ops import linear
 from .weights import LM_HEAD, TEXT_PREFIX, CheckpointReader, layer_prefix  # noqa: F401  (re-exported: one definition of the names)
 
 
@@ -65,14 +67,49 @@ def stored_tensor(weights: Mapping, name: str) -> np.ndarray:
 
 
 def _is_float(arr: np.ndarray) -> bool:
-    return arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"
+    kind = arr.dtype.kind                 # kind first: dtype.name is Python-level (~3 us), asked per weight access
+    return kind == "f" or (kind == "V" and arr.dtype.name == "bfloat16")
 
 
 def take_rows(weights: Mapping, name: str, rows, dtype) -> np.ndarray:
     """Rows `rows` (an index array or a slice) of the 2-D table `name`, cast to `dtype`: only those rows are
-    read and converted (a memory-mapped table's other pages stay on disk)."""
+    read and converted (a memory-mapped table's other pages stay on disk). A slice of a table already stored
+    in `dtype` comes back as a read-only view (a float32 model's lm_head block: no 131 MB copy per token)."""
     table = stored_tensor(weights, name)
-    return np.array(table[rows], dtype=np.dtype(dtype))
+    dtype = np.dtype(dtype)
+    if isinstance(rows, slice) and table.dtype == dtype:
+        view = table[rows].view()
+        view.setflags(write=False)
+        return view
+    return np.array(table[rows], dtype=dtype)
+
+
+def table_matmul(weights: Mapping, name: str, x: np.ndarray, dtype, block_rows: int) -> np.ndarray:
+    """x [T, D] @ table[name].T -> [T, rows] in the wider of x's dtype and `dtype`, one block of `block_rows`
+    table rows at a time; a bf16 table goes through `k3ref.ops.linear` (the compiled bf16 GEMV by default: no
+    float copy of any block), any other is taken by `take_rows` (a view when no cast is needed)."""
+    table = stored_tensor(weights, name)
+    out_dtype = np.result_type(x.dtype, np.dtype(dtype))
+    xw = np.asarray(x).astype(out_dtype, copy=False)
+    out = np.empty((xw.shape[0], table.shape[0]), out_dtype)
+    for lo in range(0, table.shape[0], block_rows):
+        block = slice(lo, lo + block_rows)
+        if table.dtype.kind == "V" and table.dtype.name == "bfloat16" and fast.enabled():
+            out[:, block] = linear(xw, table[block])
+        else:
+            out[:, block] = xw @ take_rows(weights, name, block, dtype).T
+    return out
+
+
+LAZY_BF16_ELEMENTS = 1 << 20   # bf16 matrices from this size on are handed out as stored by a view without cache
+
+
+def _lazy_bf16(arr: np.ndarray) -> bool:
+    """True for a large stored bf16 matrix that a view without cache hands out as it is (fast paths on only):
+    every consumer in the host graph multiplies it through `k3ref.ops.linear` or converts it first (as_float),
+    and NumPy promotes bf16 exactly against float32 / float64 operands."""
+    return (arr.dtype.kind == "V" and arr.dtype.name == "bfloat16" and arr.ndim == 2
+            and arr.size >= LAZY_BF16_ELEMENTS and fast.enabled())
 
 
 class ModuleView(Mapping):
@@ -80,7 +117,9 @@ class ModuleView(Mapping):
 
     cache: a dict shared by the views of one model where cast float tensors are kept (a model small enough to
     keep its float copies), or None: every access converts the stored tensor anew and the caller's reference
-    is the only one, so the copy is freed when the caller drops it.
+    is the only one, so the copy is freed when the caller drops it. Without a cache and with the fast paths on
+    (`k3ref.fast.enabled()`), a large bf16 matrix is handed out as stored (a read-only view, dtype bfloat16):
+    `k3ref.ops.linear` multiplies it by the compiled bf16 GEMV, so no float copy of it is ever made.
     """
 
     def __init__(self, weights: Mapping, prefix: str, dtype, cache: dict | None = None):
@@ -98,6 +137,10 @@ class ModuleView(Mapping):
             arr = stored_tensor(self._weights, full)
         except KeyError:
             raise KeyError(f"weight {full!r} is missing (module view {self._prefix!r})") from None
+        if self._cache is None and _lazy_bf16(arr):
+            view = arr.view()             # multiplied as stored by k3ref.ops.linear: no float copy made
+            view.setflags(write=False)
+            return view
         if _is_float(arr):
             arr = arr.astype(self._dtype, copy=False)
             if self._cache is not None:   # experts are dequantised per use; dense floats kept when asked

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from . import mxfp4
+from . import fast, mxfp4
 from .checks import as_float, check_shape, require
 from .engine import moe as engine_moe
 from .fast import latent_moe as moe_fast
@@ -133,6 +133,21 @@ def route_weights(s: np.ndarray, idx: np.ndarray, renormalize: bool = True, scal
     return (w * scaling).astype(s.dtype, copy=False)
 
 
+def _checked_route(T: int, weights, indices) -> tuple[np.ndarray, np.ndarray]:
+    """The routing of T tokens checked: weights float [T, k], indices int [T, k] with k distinct experts a row."""
+    weights = as_float("weights", weights)
+    _, k = check_shape("weights", weights, (T, None))
+    indices = np.asarray(indices)
+    require(indices.dtype.kind in "iu", f"indices: expected an integer dtype, found {indices.dtype}")
+    check_shape("indices", indices, (T, k))
+    ordered = np.sort(indices, axis=-1)
+    repeats = np.nonzero(np.any(ordered[:, 1:] == ordered[:, :-1], axis=-1))[0]
+    if len(repeats):
+        raise ValueError(f"indices: expected k distinct experts per token, found a repeat in row {int(repeats[0])}: "
+                         f"{indices[repeats[0]].tolist()}")
+    return weights, indices
+
+
 def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
                        expert_fn: Callable[[int, np.ndarray], np.ndarray], experts: range | None = None) -> np.ndarray:
     """y_lat[t] = sum_k weights[t, k] * expert_fn(indices[t, k], z[t]), grouped by expert.
@@ -145,16 +160,7 @@ def mix_routed_experts(z: np.ndarray, weights: np.ndarray, indices: np.ndarray,
     """
     z = as_float("z", z)
     T, Dl = check_shape("z", z, (None, None))
-    weights = as_float("weights", weights)
-    _, k = check_shape("weights", weights, (T, None))
-    indices = np.asarray(indices)
-    require(indices.dtype.kind in "iu", f"indices: expected an integer dtype, found {indices.dtype}")
-    check_shape("indices", indices, (T, k))
-    ordered = np.sort(indices, axis=-1)
-    repeats = np.nonzero(np.any(ordered[:, 1:] == ordered[:, :-1], axis=-1))[0]
-    if len(repeats):
-        raise ValueError(f"indices: expected k distinct experts per token, found a repeat in row {int(repeats[0])}: "
-                         f"{indices[repeats[0]].tolist()}")
+    weights, indices = _checked_route(T, weights, indices)
     y = np.zeros_like(z)
     for e in np.unique(indices):
         if experts is not None and int(e) not in experts:
@@ -251,7 +257,9 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     experts: the expert ids this rank holds (expert parallelism: the others' terms are left out, the partial
     sums all-reduced by the caller); None = all.
     A `cores.moe_experts` other than k3ref's (a backend's fused kernel) computes y_lat in one call on the stacked
-    experts (`_fused_routed_experts`); k3ref's own keeps the per-expert path, so the reference is unchanged.
+    experts (`_fused_routed_experts`); with k3ref's own, the compiled pairs form runs by default
+    (`k3ref.fast.latent_moe.routed_pairs_jit`: every expert's bytes read once for all its tokens, same bits on any
+    thread count) and K3_FAST=numpy keeps the NumPy per-expert path.
     """
     cores = _cores(cores)
     gemv = _gemv_of(cores)
@@ -260,6 +268,11 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     chosen = [int(e) for e in np.unique(idx) if experts is None or int(e) in experts]
     if cores.moe_experts is not engine_moe.moe_experts:
         y_lat = _fused_routed_experts(weights, z, w, idx, cfg, cores.moe_experts, chosen)
+    elif gemv is mxfp4.mxfp4_gemv_prechecked and fast.enabled():
+        glu = functools.partial(cores.situ_glu, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)
+        w_chk, idx_chk = _checked_route(z.shape[0], w, idx)
+        y_lat = moe_fast.routed_pairs_jit([_expert_tensors(weights, e, cfg) for e in chosen], z, w_chk, idx_chk,
+                                          chosen, glu)
     elif (z.shape[0] == 1 and gemv is mxfp4.mxfp4_gemv_prechecked
             and moe_fast.fits_one_batch(len(chosen), cfg.latent_size, cfg.moe_intermediate_size)):
         glu = functools.partial(cores.situ_glu, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fast
 from .checks import as_float, check_shape, require
 from .fast import mxfp4 as mxfp4_fast
+from .fast import mxfp4_jit
 
 GROUP = 32          # elements per shared scale
 E8M0_BIAS = 127
@@ -127,13 +129,20 @@ def mxfp4_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarr
     check_shape("packed", p, (None, K // 2))
     s = _check_u8("scale", scale)
     check_shape("scale", s, (p.shape[0], K // GROUP))
-    return mxfp4_fast.gemv_rows(p, s, x, _TABLES)
+    return mxfp4_gemv_prechecked(p, s, x)
 
 
 def mxfp4_gemv_prechecked(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
     """`mxfp4_gemv` for a caller that has checked the arguments once (a layer over all its experts): packed u8
-    [N, K/2], scale u8 [N, K/32], finite float32/float64 x [..., K]. Same result, no per-call validation."""
-    return mxfp4_fast.gemv_rows(packed, scale, x, _TABLES)
+    [N, K/2], scale u8 [N, K/32], finite float32/float64 x [..., K]. Same result, no per-call validation.
+
+    By default the compiled dequantise-and-dot (`k3ref.fast.mxfp4_jit.gemv`: each byte read once, the same bits
+    on any machine and thread count); K3_FAST=numpy: the NumPy row blocks (`k3ref.fast.mxfp4.gemv_rows`)."""
+    if not fast.enabled():
+        return mxfp4_fast.gemv_rows(packed, scale, x, _TABLES)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = mxfp4_jit.gemv(np.ascontiguousarray(packed), np.ascontiguousarray(scale), x2)
+    return y.reshape(x.shape[:-1] + (packed.shape[0],))
 
 
 def dequantize_rows(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fast
 from .checks import as_float, check_shape
+from .fast import gemv_jit
+
+BF16_JIT_MAX_ROWS = 64   # rows of x up to which a bf16 weight goes through the compiled GEMV (a decode step,
+                         # a short prefill); above, the cast and BLAS's blocked GEMM are faster
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -53,8 +58,17 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """y = x W^T with W stored [out, in] as torch.nn.Linear and checkpoints store it.
 
     x: [..., in]; w: [out, in] -> [..., out], computed in x's dtype.
+    A bf16 w (as `k3ref.cpu_weights.ModuleView` hands out a large checkpoint matrix) times a few rows of x runs
+    the compiled GEMV by default (`k3ref.fast.gemv_jit.linear_bf16`: w read once, no float copy of it, the same
+    bits on any thread count); K3_FAST=numpy, or more than BF16_JIT_MAX_ROWS rows (a prefill, where BLAS's
+    GEMM wins), casts w and multiplies.
     """
     x = as_float("x", x)
     w = np.asarray(w)
     check_shape("w", w, (None, x.shape[-1]))
+    rows = x.size // max(x.shape[-1], 1)
+    if (w.dtype.kind == "V" and w.dtype.name == "bfloat16" and w.ndim == 2 and rows <= BF16_JIT_MAX_ROWS
+            and fast.enabled()):                                  # kind first: dtype.name costs ~3 us
+        y = gemv_jit.linear_bf16(x.reshape(rows, x.shape[-1]), w)
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
     return x @ w.astype(x.dtype, copy=False).T

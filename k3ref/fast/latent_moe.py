@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..mxfp4 import dequantize_rows
+from . import mxfp4_jit
 
 BATCH_BYTES = 4 << 20   # one token's experts are dequantised together when a projection of all of them fits here
 
@@ -43,3 +44,59 @@ def one_token_experts(tensors: dict[int, ExpertTensors], z: np.ndarray, latent_s
     h = np.asarray(glu(gate, up)).astype(z.dtype, copy=False)
     W2 = stacked("w2", Dl, Di).reshape(n, Dl, Di)
     return {e: (h[j:j + 1] @ W2[j].T).astype(z.dtype, copy=False) for j, e in enumerate(tensors)}
+
+
+STACK_BYTES = 8 << 20   # chosen experts whose packed bytes fit here are stacked into one batch (a copy of the
+                        # bytes, cheaper than a compiled call per expert for `small`'s 100 KB experts); larger
+                        # ones run one call per expert on views of their own bytes (a K3 expert: 17 MB)
+
+
+def expert_pairs(idx: np.ndarray, w: np.ndarray, chosen: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (token, expert) pairs of the experts in `chosen` (ascending), grouped by expert, tokens ascending
+    within one: idx int [T, k], w [T, k] -> (starts int64 [len(chosen) + 1], tokens int64 [P], weights [P]).
+    A token then meets its experts in ascending order, as `k3ref.latent_moe.mix_routed_experts` adds them."""
+    starts, toks, ws = [0], [], []
+    for e in chosen:
+        tok, slot = np.nonzero(idx == e)
+        toks.append(tok)
+        ws.append(w[tok, slot])
+        starts.append(starts[-1] + len(tok))
+    toks_all = np.concatenate(toks).astype(np.int64, copy=False) if toks else np.zeros(0, np.int64)
+    ws_all = np.concatenate(ws).astype(w.dtype, copy=False) if ws else np.zeros(0, w.dtype)
+    return np.array(starts, np.int64), toks_all, ws_all
+
+
+def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray, idx: np.ndarray,
+                     chosen: list[int], glu: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """y_lat = sum_k w_k E_idx_k(z) over the experts in `chosen` (ascending; tensors[j]: checked (packed,
+    scale) of chosen[j] per projection), compiled: for every (token, expert) pair, gate and up by
+    `k3ref.fast.mxfp4_jit.experts_gemv` (each expert's bytes read once for all its tokens), glu once over all
+    pairs (the caller's SiTU-GLU: the nonlinearity stays NumPy's), the down projection likewise, then the pairs
+    mixed into y in order (`mix_pairs`). z float [T, Dl], w [T, k], idx int [T, k] -> y_lat [T, Dl] in z's dtype."""
+    y = np.zeros(z.shape, z.dtype)
+    if not chosen:
+        return y
+    starts, toks, ws = expert_pairs(idx, w, chosen)
+    P = len(toks)
+    nbytes = sum(a.nbytes for t in tensors for pair in t.values() for a in pair)
+
+    def project(proj: str, x: np.ndarray, rows_of: np.ndarray) -> np.ndarray:
+        R = tensors[0][proj][0].shape[0]
+        out = np.empty((P, R), z.dtype)
+        if nbytes <= STACK_BYTES:
+            packed = np.stack([t[proj][0] for t in tensors])
+            scale = np.stack([t[proj][1] for t in tensors])
+            return mxfp4_jit.experts_gemv(packed, scale, x, starts, rows_of, out)
+        for j, t in enumerate(tensors):
+            p0, p1 = int(starts[j]), int(starts[j + 1])
+            if p1 > p0:
+                packed, scale = (np.ascontiguousarray(a)[None] for a in t[proj])
+                mxfp4_jit.experts_gemv(packed, scale, x, np.array([0, p1 - p0], np.int64), rows_of[p0:p1],
+                                       out[p0:p1])
+        return out
+
+    gate = project("w1", z, toks)
+    up = project("w3", z, toks)
+    h = np.ascontiguousarray(np.asarray(glu(gate, up)).astype(z.dtype, copy=False))
+    down = project("w2", h, np.arange(P, dtype=np.int64))
+    return mxfp4_jit.mix_pairs(down, toks, ws.astype(z.dtype, copy=False), y)

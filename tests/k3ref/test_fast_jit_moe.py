@@ -1,0 +1,221 @@
+"""The compiled MXFP4 experts and bf16 GEMV (k3ref.fast.mxfp4_jit, k3ref.fast.gemv_jit) against the readable
+forms: dequantize + matmul, the NumPy routed-expert path, x @ W.astype(dtype).T; their summation order stated in
+NumPy (same bits), and the same bits on 1 and 2 numba threads. K3's expert shapes (latent 3584, intermediate 3072).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+
+from k3ref import cpu_weights, fast, mxfp4, ops
+from k3ref import latent_moe as lm
+from k3ref.config import K3Config
+from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
+from k3ref.cpu_weights import ModuleView, table_matmul, take_rows
+from k3ref.fast import gemv_jit, mxfp4_jit
+from k3ref.fast import latent_moe as moe_fast
+from k3ref.threads import numba_threads
+from k3ref.weights import synthetic_weights
+from tests.support.tolerances import rel_rms, tol
+
+DL, DI = 3584, 3072                      # K3's routed expert: latent and intermediate widths
+GATE = {np.float64: tol("fp64_same_math"), np.float32: tol("fp32_vs_fp64")}
+
+
+def _expert_bytes(rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random MXFP4 bytes; scale bytes 118..125 keep products O(1)."""
+    return (rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
+            rng.integers(118, 126, (rows, cols // 32), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def k3_matrix():
+    return _expert_bytes(np.random.default_rng(0), DI, DL)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("T", [1, 16])
+def test_mxfp4_gemv_k3_shape_equals_dequantize_then_matmul(k3_matrix, dtype, T):
+    packed, scale = k3_matrix
+    x = np.random.default_rng(T).standard_normal((T, 2 * DL)).astype(dtype)[:, ::2]   # not contiguous
+    want = x.astype(np.float64) @ mxfp4.dequantize(packed, scale).astype(np.float64).T
+    got = mxfp4.mxfp4_gemv(packed, scale, x)
+    assert got.dtype == dtype and got.shape == (T, DI)
+    assert rel_rms(got, want) <= GATE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_mxfp4_kernel_sums_in_the_stated_order_and_keeps_inf_and_nan(dtype):
+    rng = np.random.default_rng(3)
+    packed, scale = _expert_bytes(rng, 24, 96)
+    scale[0, 1], scale[1, 0], scale[2, 2], scale[3, 1], scale[4, 0] = 255, 254, 0, 129, 128
+    x = rng.standard_normal((3, 96)).astype(dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        W = mxfp4.dequantize(packed, scale)
+        got = mxfp4_jit.gemv(packed, scale, x)
+        want = mxfp4_jit.lane_order_reference(W, x)
+        ref = x @ W.astype(dtype).T
+    assert np.array_equal(got, want, equal_nan=True)                  # the same bits as the stated order
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got[:, 0]).all()  # scale 255 -> NaN rows
+    assert np.array_equal(np.isinf(got), np.isinf(ref))
+    fin = np.isfinite(ref)
+    assert rel_rms(got[fin], ref[fin]) <= GATE[dtype]
+
+
+def _k3_moe(n_experts: int, top_k: int):
+    cfg = lm.LatentMoeConfig(hidden_size=64, num_experts=n_experts, top_k=top_k, latent_size=DL,
+                             moe_intermediate_size=DI, n_shared_experts=0, shared_intermediate_size=0)
+    rng = np.random.default_rng(11)
+    weights = {}
+    for e in range(n_experts):
+        for proj, (rows, cols) in (("w1", (DI, DL)), ("w3", (DI, DL)), ("w2", (DL, DI))):
+            p, s = _expert_bytes(rng, rows, cols)
+            weights[f"experts.{e}.{proj}.weight_packed"], weights[f"experts.{e}.{proj}.weight_scale"] = p, s
+    return cfg, weights
+
+
+@pytest.fixture(scope="module")
+def k3_moe():
+    return _k3_moe(3, 2)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("T", [1, 16])
+def test_routed_experts_compiled_equals_the_numpy_path(k3_moe, dtype, T, stack, monkeypatch):
+    cfg, weights = k3_moe
+    rng = np.random.default_rng(T)
+    z = (0.05 * rng.standard_normal((T, 2 * DL))).astype(dtype)[:, 1::2]        # not contiguous
+    idx = np.array([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in range(T)], np.int64)
+    w = rng.uniform(0.1, 1.0, (T, cfg.top_k)).astype(dtype)
+    monkeypatch.setattr(moe_fast, "STACK_BYTES", 1 << 40 if stack else 0)
+    got = lm.routed_experts(weights, z, w, idx, cfg)
+    monkeypatch.setenv("K3_FAST", "numpy")
+    want = lm.routed_experts(weights, z.astype(np.float64), w.astype(np.float64), idx, cfg)
+    assert got.dtype == dtype and got.shape == (T, DL)
+    assert rel_rms(got, want) <= GATE[dtype]
+
+
+def test_routed_experts_same_bits_on_one_and_two_threads(k3_moe):
+    cfg, weights = k3_moe
+    rng = np.random.default_rng(5)
+    z = (0.05 * rng.standard_normal((4, DL))).astype(np.float32)
+    idx = np.array([[0, 1], [2, 0], [1, 2], [0, 2]], np.int64)
+    w = rng.uniform(0.1, 1.0, (4, 2)).astype(np.float32)
+    outs = []
+    for n in (1, 2):
+        with numba_threads(n):
+            outs.append(lm.routed_experts(weights, z, w, idx, cfg))
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_routed_experts_compiled_keeps_the_route_checks(k3_moe):
+    cfg, weights = k3_moe
+    z = np.zeros((1, DL))
+    with pytest.raises(ValueError, match="distinct experts"):
+        lm.routed_experts(weights, z, np.ones((1, 2)), np.array([[1, 1]]), cfg)
+
+
+@pytest.fixture(scope="module")
+def bf16_weight():
+    return np.random.default_rng(2).standard_normal((DL, 7168)).astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("T", [1, 16])
+def test_bf16_linear_equals_the_cast_product(bf16_weight, dtype, T):
+    x = np.random.default_rng(T).standard_normal((2 * T, 7168)).astype(dtype)[::2]      # not contiguous
+    want = x.astype(np.float64) @ bf16_weight.astype(np.float64).T
+    got = ops.linear(x, bf16_weight)
+    assert got.dtype == dtype and got.shape == (T, DL)
+    assert rel_rms(got, want) <= GATE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_bf16_kernel_sums_in_the_stated_order_and_propagates_nan(dtype):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((21, 45)).astype(ml_dtypes.bfloat16)     # K = 45: padded lanes
+    w[3, 7] = np.nan
+    x = rng.standard_normal((2, 45)).astype(dtype)
+    got = gemv_jit.linear_bf16(x, w)
+    assert np.array_equal(got, gemv_jit.lane_order_reference(w, x), equal_nan=True)
+    assert np.array_equal(gemv_jit.linear_bf16(x, w.view(np.uint16)), got, equal_nan=True)   # uint16 bits too
+    assert np.isnan(got[:, 3]).all() and np.isfinite(np.delete(got, 3, axis=1)).all()
+
+
+def test_bf16_linear_same_bits_on_one_and_two_threads(bf16_weight):
+    x = np.random.default_rng(9).standard_normal((3, 7168))
+    outs = []
+    for n in (1, 2):
+        with numba_threads(n):
+            outs.append(ops.linear(x, bf16_weight))
+    assert numba.config.NUMBA_NUM_THREADS >= 1 and np.array_equal(outs[0], outs[1])
+
+
+def test_module_view_hands_out_large_bf16_as_stored_only_with_the_fast_path(bf16_weight, monkeypatch):
+    weights = {"m.big.weight": bf16_weight, "m.small.weight": bf16_weight[:4, :8].copy()}
+    view = ModuleView(weights, "m.", np.float64)
+    big = view["big.weight"]
+    assert big.dtype == bf16_weight.dtype and not big.flags.writeable and np.shares_memory(big, bf16_weight)
+    assert view["small.weight"].dtype == np.float64
+    assert ModuleView(weights, "m.", np.float64, cache={})["big.weight"].dtype == np.float64
+    monkeypatch.setenv("K3_FAST", "numpy")
+    assert view["big.weight"].dtype == np.float64
+
+
+def test_take_rows_and_table_matmul(bf16_weight):
+    table = np.random.default_rng(6).standard_normal((50, 16)).astype(np.float32)
+    rows = take_rows({"t": table}, "t", slice(3, 9), np.float32)
+    assert np.shares_memory(rows, table) and not rows.flags.writeable and np.array_equal(rows, table[3:9])
+    assert take_rows({"t": table}, "t", slice(0, 2), np.float64).dtype == np.float64
+    x = np.random.default_rng(7).standard_normal((2, 16))
+    for t in (table, table.astype(ml_dtypes.bfloat16)):
+        got = table_matmul({"t": t}, "t", x, np.float64, block_rows=7)
+        assert rel_rms(got, x @ t.astype(np.float64).T) <= tol("fp64_same_math")
+
+
+def test_k3_fast_names_its_values(monkeypatch):
+    monkeypatch.setenv("K3_FAST", "NumPy")
+    assert not fast.enabled()
+    monkeypatch.setenv("K3_FAST", "")
+    assert fast.enabled()
+    monkeypatch.setenv("K3_FAST", "cuda")
+    with pytest.raises(ValueError, match="K3_FAST: expected one of jit, numpy"):
+        fast.enabled()
+
+
+def test_threaded_and_single_kernels_give_the_same_bits(monkeypatch):
+    rng = np.random.default_rng(8)
+    packed, scale = _expert_bytes(rng, 200, 256)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    w = rng.standard_normal((200, 256)).astype(ml_dtypes.bfloat16)
+    outs = []
+    for threads_from in (0, 1 << 40):                                # every call threaded, then none
+        monkeypatch.setattr(mxfp4_jit, "THREADS_MIN_BYTES", threads_from)
+        monkeypatch.setattr(gemv_jit, "THREADS_MIN_BYTES", threads_from)
+        outs.append((mxfp4_jit.gemv(packed, scale, x), gemv_jit.linear_bf16(x, w)))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+
+def test_host_graph_with_bf16_matrices_as_stored_equals_the_cast_path(monkeypatch):
+    """The tiny model from bf16 matrices, every 2-D one handed out as stored (the threshold lowered to 1 element):
+    every block of the host graph (KDA, MLA, AttnRes, MoE, lm_head) takes them, and prefill + one decode step
+    match the path that casts each weight first (K3_FAST=numpy)."""
+    cfg = K3Config.preset("tiny")
+    weights = {k: (v.astype(ml_dtypes.bfloat16) if v.dtype.kind == "f" and v.ndim == 2 else v)
+               for k, v in synthetic_weights(cfg, 3, np.float32).items()}
+    monkeypatch.setattr(cpu_weights, "LAZY_BF16_ELEMENTS", 1)
+
+    def run():
+        model = K3CpuModel(cfg, weights, np.float64, keep_casts=False)
+        cache = model.new_cache()
+        seq = cache.add_sequence()
+        return forward_prefill(model, [1, 2, 3, 4], cache, seq=seq), forward_token(model, 5, 4, cache, seq=seq)
+
+    got = run()
+    monkeypatch.setenv("K3_FAST", "numpy")
+    want = run()
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float64 and rel_rms(g, w) <= tol("fp64_same_math")
