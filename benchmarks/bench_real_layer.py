@@ -15,10 +15,23 @@ under 4 GiB peak anonymous memory. Disk: it checks the space first (synth_checkp
 
 `make bench` collects this file too; its pytest entry runs only with K3_BENCH_REAL_LAYER=1 (it writes ~20 GB).
 The numbers, with the command and the machine load, are in docs/measurements.md.
+
+    python -m benchmarks.bench_real_layer --checkpoint /tmp/k3_l1 --layers 1 --steps
+
+times one layer's step against its bytes floor instead (`step_child`): the layer alone (no embedding, no
+lm_head) on a 16-token prefill and on decode steps, float64, from the memory-mapped checkpoint with the page
+cache warm, on one pinned core and on all cores (one process each). The floor is the bytes the step must
+read -- the layer's dense weights in their stored dtype, the routed experts' packed bytes the store handed
+out, the layer's state or cache read and written -- at the copy bandwidth measured in the same process.
+Target: <= 4x the floor for the decode step and for the prefill. Then the cold page cache: every shard's
+pages dropped (posix_fadvise DONTNEED, no root needed), one decode step with the experts read ahead
+(`MmapExpertStore.prefetch`, the default) and one without.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import os
 import shutil
@@ -32,13 +45,19 @@ import numpy as np
 import pytest
 
 from k3ref.config import K3Config
-from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
+from k3ref.cores import reference_cores
+from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, forward_one_layer, forward_prefill, forward_token
+from k3ref.expert_backend import PREFETCH_BUDGET_BYTES, parse_expert_name
 from k3ref.greedy import decode_memory
-from k3ref.weights import synth_checkpoint
+from k3ref.layer import MixerKind
+from k3ref.weights import layer_prefix, synth_checkpoint
 
 PROMPT = 16
 GIB = 2**30
 TARGET_ANON_GIB = 4.0
+TARGET_FLOOR_RATIO = 4.0     # one real-size layer step (decode, and a 16-token prefill) against its bytes floor
+DECODE_STEPS = 3             # warm decode steps timed (the best is reported with its own floor)
+COPY_BYTES = 256 << 20       # the copy that measures bandwidth: far past the last-level cache
 
 
 def _status(field: str) -> int:
@@ -106,6 +125,156 @@ def child(checkpoint: Path, layer: int, dtype: str) -> dict:
     }
 
 
+def copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second one np.copyto of COPY_BYTES moves (best of `repeats`; counted once, as bytes read)."""
+    src = np.ones(COPY_BYTES // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return COPY_BYTES / best
+
+
+def dense_layer_bytes(model: K3CpuModel, layer: int) -> int:
+    """Bytes of the layer's tensors in their stored dtype, routed experts excluded (those are counted as read)."""
+    prefix = layer_prefix(layer)
+    entries = model.expert_store.reader.entries if model.expert_store else {}
+    return sum(h.end - h.begin for name, h in entries.items()
+               if name.startswith(prefix) and parse_expert_name(name) is None)
+
+
+def state_bytes(model: K3CpuModel, cache, layer: int, seq: int) -> int:
+    """Bytes of the layer's decode state a step reads and writes (KDA: conv buffers and recurrent state, counted
+    twice; MLA: the sequence's cached rows, read)."""
+    if model.graph.layers[layer].mixer == MixerKind.KDA:
+        st = cache.kda_state(layer, seq)
+        return 2 * sum(a.nbytes for a in (st.conv_q, st.conv_k, st.conv_v, st.recurrent))
+    kv = cache.mla[layer]
+    return int(kv.seq_lens([seq])[0]) * kv.width * kv.dtype.itemsize
+
+
+def timed_layer(model: K3CpuModel, layer: int, tokens, cache, seq: int, prefill: bool) -> tuple[float, int]:
+    """(seconds, routed-expert bytes handed out) of the layer alone on `tokens`; advances the sequence."""
+    cores = reference_cores()
+    ctx = ForwardContext(model, cores, seq, prefill)
+    hub = cores.attnres_hub(model.cfg.attn_res_block_size, eps=model.cfg.rms_norm_eps)
+    hub.start(embed(model, np.asarray(tokens)))
+    store = model.expert_store
+    before = store.bytes_touched if store else 0
+    t = time.perf_counter()
+    forward_one_layer(ctx, layer, hub, cache)
+    elapsed = time.perf_counter() - t
+    cache.advance(seq, len(tokens))
+    return elapsed, (store.bytes_touched if store else 0) - before
+
+
+def drop_page_cache(checkpoint: Path) -> None:
+    """Ask the kernel to drop every shard's cached pages (posix_fadvise DONTNEED: no root needed; pages another
+    process has mapped and touched may stay)."""
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _ratio_row(kind: str, seconds: float, dense: int, experts: int, state: int, bandwidth: float) -> dict:
+    floor = (dense + experts + state) / bandwidth
+    return {"step": kind, "s": round(seconds, 4), "floor_s": round(floor, 4), "ratio": round(seconds / floor, 2),
+            "dense_mb": round(dense / 1e6, 1), "experts_mb": round(experts / 1e6, 1), "state_mb": round(state / 1e6, 1)}
+
+
+def step_child(checkpoint: Path, layer: int, dtype: str, pinned: bool, cold: bool) -> dict:
+    """The layer's prefill and decode steps against their bytes floor, page cache warm; with `cold`, decode steps
+    after dropping the checkpoint's pages instead (`cold_steps`)."""
+    if pinned:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    model = K3CpuModel.from_checkpoint(checkpoint, dtype=np.dtype(dtype), layers=[layer])
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, PROMPT + DECODE_STEPS + 3)
+    bandwidth = copy_bandwidth()
+    dense = dense_layer_bytes(model, layer)
+    if cold:
+        del model                                    # its memory maps would keep the pages `cold_steps` drops
+        rows = cold_steps(checkpoint, layer, np.dtype(dtype), tokens, dense, bandwidth)
+    else:
+        rows = warm_steps(model, layer, tokens, dense, bandwidth)
+    return {"layer": layer, "dtype": dtype, "pinned": pinned, "threads": len(os.sched_getaffinity(0)),
+            "copy_gb_s": round(bandwidth / 1e9, 2), "load": round(os.getloadavg()[0], 2), "rows": rows}
+
+
+def warm_steps(model: K3CpuModel, layer: int, tokens, dense: int, bandwidth: float) -> list[dict]:
+    """A 16-token prefill and DECODE_STEPS decode steps, each timed after the same step ran once on a copy of
+    the state (compiled; the same experts chosen, so their pages are in the page cache)."""
+    warm = model.new_cache(num_pages=2)
+    wseq = warm.add_sequence()
+    timed_layer(model, layer, tokens[:PROMPT], warm, wseq, prefill=True)
+    timed_layer(model, layer, tokens[PROMPT:PROMPT + 1], warm, wseq, prefill=False)
+    cache = model.new_cache(num_pages=2)
+    seq = cache.add_sequence()
+    secs, experts = timed_layer(model, layer, tokens[:PROMPT], cache, seq, prefill=True)
+    rows = [_ratio_row("prefill16", secs, dense, experts, state_bytes(model, cache, layer, seq), bandwidth)]
+    for i in range(DECODE_STEPS):
+        state = state_bytes(model, cache, layer, seq)
+        token = tokens[PROMPT + i:PROMPT + i + 1]
+        timed_layer(model, layer, token, copy.deepcopy(cache), seq, prefill=False)   # the same experts, paged in
+        secs, experts = timed_layer(model, layer, token, cache, seq, prefill=False)
+        rows.append(_ratio_row("decode", secs, dense, experts, state, bandwidth))
+    return rows
+
+
+def cold_steps(checkpoint: Path, layer: int, dtype: np.dtype, tokens, dense: int, bandwidth: float) -> list[dict]:
+    """Decode steps of one sequence from an empty state: one to compile, then for read-ahead on and off the
+    second step on a model opened after every shard's pages were dropped (the old model's memory maps closed
+    first: the kernel keeps pages a live mapping holds), then that step again, warm."""
+    model = K3CpuModel.from_checkpoint(checkpoint, dtype=dtype, layers=[layer])
+    cache = model.new_cache(num_pages=2)
+    seq = cache.add_sequence()
+    timed_layer(model, layer, tokens[:1], cache, seq, prefill=False)
+    rows = []
+    store = model.expert_store
+    pos, before = int(cache.seq_len(seq)), copy.deepcopy(cache)      # every timed step starts here: the same
+    for budget in (PREFETCH_BUDGET_BYTES, 0):                       # token, state and experts
+        del model, store
+        gc.collect()
+        drop_page_cache(checkpoint)
+        model = K3CpuModel.from_checkpoint(checkpoint, dtype=dtype, layers=[layer])
+        store = model.expert_store
+        assert store is not None, "a checkpoint model serves its experts from a store"
+        store.planner.byte_budget = budget
+        for label in ("cold", "warm"):                       # the same step twice: the second finds its pages
+            cache = copy.deepcopy(before)
+            state = state_bytes(model, cache, layer, seq)
+            io0 = _io()
+            secs, experts = timed_layer(model, layer, tokens[pos:pos + 1], cache, seq, prefill=False)
+            row = _ratio_row(f"decode {label}, read-ahead {'on' if budget else 'off'}", secs, dense, experts,
+                             state, bandwidth)
+            row["read_from_disk_mb"] = round((_io()["read_bytes"] - io0["read_bytes"]) / 1e6, 1)
+            rows.append(row)
+    return rows
+
+
+def run_steps(checkpoint: Path, layer: int, dtype: str, cold: bool) -> list[dict]:
+    """step_child pinned to one core (one thread everywhere) and on all cores, each in a fresh process."""
+    out = []
+    for pinned in (True, False):
+        env = dict(os.environ)
+        if pinned:
+            env.update(K3_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+        args = ([sys.executable, "-m", "benchmarks.bench_real_layer", "--step-child", str(checkpoint),
+                 "--layers", str(layer), "--dtypes", dtype]
+                + (["--pinned"] if pinned else []) + (["--cold"] if cold else []))
+        res = subprocess.run(args, capture_output=True, text=True, env=env)
+        if res.returncode != 0:
+            raise RuntimeError(f"step child (pinned={pinned}): exit {res.returncode}\n{res.stderr[-3000:]}")
+        row = json.loads(res.stdout.strip().splitlines()[-1])
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
 def run_all(workdir: Path, layers: list[int], dtypes: list[str], keep: bool, checkpoint: Path | None) -> list[dict]:
     ckpt = checkpoint or workdir / "k3_layers"
     made = checkpoint is None
@@ -140,12 +309,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default="1", help="K3 layers, e.g. 1 (KDA + MoE) or 1,3 (and MLA + MoE)")
     p.add_argument("--dtypes", default="float32,float64")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint written")
+    p.add_argument("--steps", action="store_true", help="time the layer's steps against their bytes floor "
+                                                         "(needs --checkpoint; dtype: the first of --dtypes)")
+    p.add_argument("--cold", action="store_true", help="with --steps: also cold page-cache decode steps")
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--step-child", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     layers = [int(x) for x in a.layers.split(",")]
     dtypes = a.dtypes.split(",")
     if a.child is not None:
         print(json.dumps(child(a.child, layers[0], dtypes[0])))
+        return 0
+    if a.step_child is not None:
+        print(json.dumps(step_child(a.step_child, layers[0], dtypes[0], a.pinned, a.cold)))
+        return 0
+    if a.steps:
+        if a.checkpoint is None:
+            p.error("--steps needs --checkpoint (a real-size checkpoint holding the layer)")
+        for layer in layers:
+            for r in run_steps(a.checkpoint, layer, dtypes[0], a.cold):
+                where = "pinned, 1 core" if r["pinned"] else f"{r['threads']} cores"
+                for row in r["rows"]:
+                    print(f"layer {layer} {r['dtype']} {where} (copy {r['copy_gb_s']} GB/s, load {r['load']}): {row}")
         return 0
     rows = run_all(a.workdir, layers, dtypes, a.keep, a.checkpoint)
     print(f"load {os.getloadavg()[0]:.2f}")

@@ -18,10 +18,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import ops
+from . import fast, ops
 from .cache import MlaKv
 from .checks import as_float, check_shape, is_finite_real, is_int_value, require
 from .engine import mla as engine_mla
+from .fast import mla_jit
+from .threads import fixed_blas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +141,7 @@ def _cores(cores):
     return cores
 
 
+@fixed_blas
 def mla_project(weights: Mapping[str, np.ndarray], x: np.ndarray, cfg: MlaConfig, cores=None):
     """The per-token projections of the absorbed form.
 
@@ -195,13 +198,15 @@ def absorb_q(q_nope: np.ndarray, q_pe: np.ndarray, W_kvb: np.ndarray, cfg: MlaCo
     return _absorb(q_nope, q_pe, W_UK)
 
 
-def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_lens, *, scale, kv_rank):
+def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_lens, *, scale, kv_rank,
+                      scan_rows: bool = True):
     """Validate the `mla_decode` core's arguments; every implementation (k3ref, k3cuda) calls this.
 
     q_abs: [B, H, W] and kv_cache: [N_pages, page, W] float arrays (bf16 allowed); block_table: [B, max_pages]
     int; seq_lens: [B] int in [1, max_pages * page]; the pages a sequence uses are in [0, N_pages) and its
     rows are finite (slots past seq_len may hold anything). Returns ((B, H, W), pages) with pages[b] the page
-    ids sequence b reads, in order.
+    ids sequence b reads, in order. scan_rows=False skips the finite scan of the rows (a copy of every row
+    read): for a caller that checks the values as it reads them and calls again with the scan on a failure.
     """
     B, H, W = check_shape("q_abs", q_abs, (None, None, None))
     N, page, _ = check_shape("kv_cache", kv_cache, (None, None, W))
@@ -224,17 +229,51 @@ def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_
         require(bool(np.all((used >= 0) & (used < N))),
                 f"block_table[{b}]: expected page ids in [0, {N}) for the {used.size} page(s) of seq_len {L}, "
                 f"found {used.tolist()}")
-        rows = kv_cache[used].reshape(-1, W)[:L]
-        require(bool(np.all(np.isfinite(rows if rows.dtype.kind == "f" else rows.astype(np.float32)))),
-                f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages "
-                f"{used.tolist()}")
+        if scan_rows:
+            rows = kv_cache[used].reshape(-1, W)[:L]
+            require(bool(np.all(np.isfinite(rows if rows.dtype.kind == "f" else rows.astype(np.float32)))),
+                    f"kv_cache: expected finite rows for sequence {b} (seq_len {L}), found NaN/Inf in pages "
+                    f"{used.tolist()}")
         pages.append(used)
     return (B, H, W), pages
 
 
+# The compiled decode (k3ref.fast.mla_jit) is BLAS-free and gives the same bits on any thread count, but it is 4-6x
+# slower than the readable form's BLAS GEMVs on one core (96 heads x 4096 rows: 156 vs 39 ms in float64,
+# docs/measurements.md), so it runs only when asked for: a register-tiled kernel would make it the default.
+COMPILED_DECODE = False
+
+
+@fixed_blas
 def mla_decode_core(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
                     *, scale: float, kv_rank: int) -> np.ndarray:
-    """Absorbed MLA decode over a paged latent cache (FlashMLA's decode interface).
+    """Absorbed MLA decode over a paged latent cache (FlashMLA's decode interface): q_abs [B, H, R+P], kv_cache
+    [N_pages, page, R+P], block_table [B, max_pages], seq_lens [B] -> o_lat [B, H, kv_rank], as
+    `mla_decode_readable` states it, computed by the compiled form (`k3ref.fast.mla_jit`) when COMPILED_DECODE
+    is set, `k3ref.fast.enabled()` (K3_FAST unset or "jit") and q_abs and kv_cache are both float32 or both
+    float64, else by the readable form itself.
+
+    The compiled form gives the same bits on any machine and thread count (fixed-order sums, no BLAS); it
+    agrees with the readable form to float64 rounding (tests/k3ref/test_fast_jit_mla.py). Bad arguments raise
+    the readable form's errors: a NaN/Inf row read is found as the kernel reads it and then named by
+    `check_decode_args`' scan.
+    """
+    if not (COMPILED_DECODE and fast.enabled() and isinstance(q_abs, np.ndarray) and isinstance(kv_cache, np.ndarray)
+            and q_abs.dtype == kv_cache.dtype and q_abs.dtype in (np.float32, np.float64)):
+        return mla_decode_readable(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
+    q_abs = as_float("q_abs", q_abs)
+    check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank, scan_rows=False)
+    o_lat, finite = mla_jit.mla_decode(q_abs, kv_cache, np.asarray(block_table), np.asarray(seq_lens),
+                                       scale, int(kv_rank))
+    if not finite.all():                                # the readable check names the sequence and its pages
+        check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
+    return o_lat
+
+
+def mla_decode_readable(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
+                        *, scale: float, kv_rank: int) -> np.ndarray:
+    """Absorbed MLA decode over a paged latent cache, in its readable form (the statement the compiled form
+    is tested against).
 
     q_abs: [B, H, R+P]; kv_cache: [N_pages, page, R+P] rows [c | k_pe]; block_table: [B, max_pages] int
     (block_table[b, i] holds tokens page*i .. page*i + page-1 of sequence b); seq_lens: [B] int, the
@@ -273,6 +312,7 @@ def _check_cache_rows(rows: np.ndarray, cache: MlaKv, ids: list, cfg: MlaConfig)
                      f"nothing was appended")
 
 
+@fixed_blas
 def mla_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, cache: MlaKv, seq_ids, cfg: MlaConfig,
                      cores=None) -> np.ndarray:
     """One decode step for B sequences: append each token's [c | k_pe] to its sequence, then attend.
@@ -315,6 +355,7 @@ def mla_decode_token(weights: Mapping[str, np.ndarray], x: np.ndarray, cache: Ml
         raise
 
 
+@fixed_blas
 def gated_mla_attend(weights: Mapping[str, np.ndarray], X: np.ndarray, cfg: MlaConfig, cores=None) -> np.ndarray:
     """The expanded form over one sequence, causal: keys and values materialised per head.
 

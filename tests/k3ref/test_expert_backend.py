@@ -1,12 +1,16 @@
 """MmapExpertStore (zero-copy, byte counting), PrefetchPlanner (order, de-dup, budget), kind_from_env."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from k3ref import expert_backend
 from k3ref.config import K3Config
+from k3ref.cores import reference_cores
+from k3ref.cpu_forward import ForwardContext, K3CpuModel, _reading_ahead, forward_prefill, forward_token
 from k3ref.expert_backend import (
     BACKENDS,
     PARTS,
@@ -42,10 +46,11 @@ def _expected(weights, layer, expert):
 
 def _is_view_of(a: np.ndarray, base: np.ndarray) -> bool:
     """True if `a` reaches `base` through its .base chain (a view, not a copy)."""
-    while a is not None:
-        if a is base:
+    link: np.ndarray | None = a
+    while link is not None:
+        if link is base:
             return True
-        a = a.base
+        link = link.base
     return False
 
 
@@ -181,6 +186,103 @@ def test_planner_rejects_sizes(sizes, match):
 def test_planner_rejects(choices, match):
     with pytest.raises(ValueError, match=match):
         PrefetchPlanner(1, 10).plan(choices)
+
+
+# ----- read-ahead -----
+
+needs_fadvise = pytest.mark.skipif(not expert_backend.CAN_ADVISE, reason="no os.posix_fadvise on this platform")
+
+
+def _recording_fadvise(monkeypatch) -> list[tuple[str, int, int]]:
+    """Replace os.posix_fadvise by a recorder of (file, offset, length) for WILLNEED calls."""
+    calls: list[tuple[str, int, int]] = []
+
+    def fadvise(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    return calls
+
+
+@needs_fadvise
+def test_prefetch_advises_exactly_the_planned_experts(ckpt, monkeypatch):
+    """Every byte of each planned expert's six tensors lies in an advised page-aligned range of its shard, and
+    the advised ranges hold nothing else but the rounding down to a page start; the counts say so."""
+    calls = _recording_fadvise(monkeypatch)
+    store = MmapExpertStore(ckpt)
+    plan = store.prefetch(1, np.array([[3, 1], [1, 0]]))
+    store.settle()
+    assert plan == [(1, 3), (1, 1), (1, 0)] == store.advised
+    assert store.bytes_advised == sum(store.expert_bytes(*p) for p in plan)
+    spans = [(str(Path(h.path).resolve()), h.begin, h.end) for p in plan for h in store._entries(*p).values()]
+    page = expert_backend.mmap.PAGESIZE
+    assert calls and all(offset % page == 0 for _, offset, _ in calls)
+    for path, begin, end in spans:                                   # covered
+        assert any(p == path and off <= begin and end <= off + n for p, off, n in calls), (path, begin, end)
+    for path, off, n in calls:                                       # nothing but planned bytes (and rounding)
+        inside = sorted((b, e) for p, b, e in spans if p == path and off <= b < off + n)
+        assert inside and inside[0][0] - off < page and max(e for _, e in inside) == off + n
+        assert all(b2 <= e1 for (_, e1), (b2, _) in zip(inside, inside[1:], strict=False)), "a gap was advised"
+    assert store.bytes_touched == 0, "read-ahead hands nothing out"
+
+
+@needs_fadvise
+def test_prefetch_stays_within_the_budget(ckpt, monkeypatch):
+    calls = _recording_fadvise(monkeypatch)
+    per = MmapExpertStore(ckpt).expert_bytes(1, 0)
+    store = MmapExpertStore(ckpt, prefetch_budget=2 * per)
+    assert store.prefetch(1, [5, 2, 0]) == [(1, 5), (1, 2)]
+    store.settle()
+    page = expert_backend.mmap.PAGESIZE
+    assert store.bytes_advised == 2 * per and sum(n for _, _, n in calls) < 2 * (per + len(PARTS) * page)
+    off = MmapExpertStore(ckpt, prefetch_budget=0)
+    assert off.prefetch(1, [5, 2]) == [] and off.bytes_advised == 0
+
+
+@needs_fadvise
+def test_prefetch_really_advises(ckpt):
+    """The real system call over a real shard (no recorder): it runs and counts."""
+    store = MmapExpertStore(ckpt)
+    assert store.prefetch(4, [[0, 1]]) == [(4, 0), (4, 1)]
+    store.settle()
+    assert store.bytes_advised == store.expert_bytes(4, 0) + store.expert_bytes(4, 1)
+
+
+@needs_fadvise
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_forward_reads_ahead_the_experts_the_router_chose(tiny, ckpt, step):
+    """The host graph asks the store for each MoE layer's chosen experts, in router order, right after routing:
+    exactly those the router returned (recorded by wrapping the reference router)."""
+    chosen: list[np.ndarray] = []
+
+    def recording_route(*args, **kwargs):
+        w, idx = reference_cores().moe_route(*args, **kwargs)
+        chosen.append(np.asarray(idx))
+        return w, idx
+
+    model = K3CpuModel.from_checkpoint(ckpt, dtype=np.float64)
+    cores = reference_cores().replace(moe_route=recording_route)
+    cache = model.new_cache(num_pages=4)
+    seq = cache.add_sequence()
+    forward_prefill(model, np.arange(5), cache, seq=seq, cores=cores)
+    if step == "decode":
+        chosen.clear()
+        model.expert_store.advised.clear()
+        forward_token(model, 7, 5, cache, seq=seq, cores=cores)
+    moe_layers = [spec.index for spec in model.graph.layers if spec.mlp.value != "dense"]
+    assert len(chosen) == len(moe_layers)
+    want = []
+    for layer, idx in zip(moe_layers, chosen, strict=True):
+        want += PrefetchPlanner(model.expert_store, expert_backend.PREFETCH_BUDGET_BYTES).plan({layer: idx})
+    assert want and model.expert_store.advised == want
+
+
+def test_in_memory_weights_read_nothing_ahead(tiny):
+    """No store, no read-ahead: the cores the MoE layer gets are the caller's own."""
+    model = K3CpuModel.synthetic(tiny, SEED)
+    ctx = ForwardContext(model, reference_cores())
+    assert model.expert_store is None and _reading_ahead(ctx, 1) is ctx.cores
 
 
 # ----- backend choice -----
