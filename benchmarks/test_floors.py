@@ -4,6 +4,7 @@ double) every ratio it divides unnoticed, since no unit test times anything. Che
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from benchmarks.bench_decode import decode_bytes
 from benchmarks.bench_kda import _decode_inputs, decode_floor_bytes
 from benchmarks.bench_moe import K3_EXPERT, _expert_weights, expert_floor_bytes
+from benchmarks.conftest import QUICK_LEFT_OUT
 from conformance.judge.speed import CopyFloor
 from k3ref.config import K3Config
 from k3ref.weights import is_routed_expert, synthetic_weights
@@ -63,3 +65,9 @@ def test_the_decode_floor_is_what_the_weights_hold_for_one_token():
     state = len(cfg.kda_layers) * 2 * kda.num_heads * kda.head_dim ** 2 * F32
     assert expert > 0 and dense > 0
     assert decode_bytes(model, 0) == dense + moe_layers * cfg.num_experts_per_tok * expert + state
+
+
+def test_the_short_pass_leaves_out_only_benchmark_files_that_exist():
+    """A renamed benchmark file would otherwise join the short pass unnoticed (and a stale name hide nothing)."""
+    here = Path(__file__).resolve().parent
+    assert QUICK_LEFT_OUT and all((here / name).is_file() for name in QUICK_LEFT_OUT), sorted(QUICK_LEFT_OUT)

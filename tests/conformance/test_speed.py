@@ -3,6 +3,7 @@ declared), the floor's arithmetic, the interleaved race; a mock benchmark sessio
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from conformance.judge import speed
 from conformance.judge.speed import CopyFloor, SpeedTargetMissed, check_target, race
+from k3ref import threads
 
 CONFTEST = Path(__file__).resolve().parents[2] / "benchmarks" / "conftest.py"
 
@@ -65,13 +67,16 @@ def test_undeclared_miss(speed):
 '''
 
 
-def _session(tmp_path, *bodies):
+def _session(tmp_path, *bodies, quick: bool = False):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     for i, body in enumerate(bodies):
         (tmp_path / f"bench_{i}.py").write_text(body)
+    env = {k: v for k, v in os.environ.items() if k != speed.QUICK_ENV}
+    if quick:
+        env[speed.QUICK_ENV] = "1"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                           "-o", "python_files=bench_*.py", "--rootdir", str(tmp_path), str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                           "-rfEs", "-o", "python_files=bench_*.py", "--rootdir", str(tmp_path), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
 
 
 def test_only_declared_misses_pass_the_session_and_are_listed(tmp_path):
@@ -87,3 +92,60 @@ def test_only_declared_misses_pass_the_session_and_are_listed(tmp_path):
 def test_an_undeclared_miss_fails_the_session(tmp_path):
     done = _session(tmp_path, UNDECLARED)
     assert done.returncode == 1 and "MISSED" in done.stdout and "1 undeclared misses" in done.stdout, done.stdout
+
+
+def test_the_short_pass_fails_on_an_undeclared_miss_and_passes_a_declared_one(tmp_path):
+    """`make bench-quick` (K3_BENCH_QUICK=1): the same verdicts as the full pass, with the ratios listed."""
+    done = _session(tmp_path, MOCK_BENCH.replace("def test_declared_but_nan", "def _skip_nan"), quick=True)
+    assert done.returncode == 0, done.stdout
+    assert "short pass" in done.stdout and "1 met, 1 declared misses, 0 undeclared misses" in done.stdout
+    done = _session(tmp_path, MOCK_BENCH.replace("def test_declared_but_nan", "def _skip_nan"), UNDECLARED, quick=True)
+    assert done.returncode == 1 and "1 undeclared misses" in done.stdout, done.stdout
+    assert "FAILED bench_1.py::test_undeclared_miss" in done.stdout, done.stdout
+
+
+THREADED_AND_REPORT_ONLY = '''
+from conformance.judge.speed import bench_repeats, race
+from k3ref.threads import describe_blas
+
+def test_threaded(speed, threads):
+    calls = []
+    race({"x": lambda: calls.append(1)})
+    assert len(calls) == 1 + bench_repeats()                # one untimed warm-up round, then the timed ones
+    if threads.mode == "pinned":
+        assert describe_blas().endswith(", 1 thread"), describe_blas()
+    speed.check(f"rounds {len(calls) - 1}", 1.0, 2.0)
+
+def test_report_only(benchmark):
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+'''
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "short"])
+def test_threads_runs_each_benchmark_pinned_and_as_users_get_it(tmp_path, quick):
+    """`threads` runs a benchmark in both modes, each row of the table names its mode; the short pass times
+    QUICK_REPEATS rounds instead of FLOOR_REPEATS and skips a benchmark that checks no target, saying so."""
+    done = _session(tmp_path, THREADED_AND_REPORT_ONLY, quick=quick)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rounds = speed.QUICK_REPEATS if quick else speed.FLOOR_REPEATS
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("rounds ")]
+    assert sorted((r[1], r[2]) for r in rows) == [(str(rounds), "all"), (str(rounds), "pinned")], done.stdout
+    assert "BLAS while measured: " in done.stdout
+    assert ("checks no speed target" in done.stdout) == quick, done.stdout
+
+
+def test_quick_reads_only_0_or_1(monkeypatch):
+    monkeypatch.setenv(speed.QUICK_ENV, "1")
+    assert speed.quick() and speed.bench_repeats() == speed.QUICK_REPEATS and speed.bench_repeats(1) == 1
+    monkeypatch.setenv(speed.QUICK_ENV, "0")
+    assert not speed.quick() and speed.bench_repeats() == speed.FLOOR_REPEATS
+    monkeypatch.setenv(speed.QUICK_ENV, "yes")
+    with pytest.raises(ValueError, match="K3_BENCH_QUICK: expected 1 .* found 'yes'"):
+        speed.quick()
+
+
+def test_one_blas_thread_pins_and_restores():
+    before = threads.describe_blas()
+    with speed.one_blas_thread() as line:
+        assert threads.describe_blas().endswith(", 1 thread") and line.endswith(f"(was: {before})")
+    assert threads.describe_blas() == before
