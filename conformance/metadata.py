@@ -38,8 +38,8 @@ METADATA_VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent
 SUBPROCESS_TIMEOUT = 2.0   # seconds git or nvidia-smi may take before the field is left None
 # variables that change what a run computes or how fast: the fresh seed, strict mode, threads, visible GPUs
-ENV_NAMES = ("K3_STRICT", "K3CONF_FRESH_SEED", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-             "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "NUMBA_NUM_THREADS", "K3_THREADS")
+ENV_NAMES = ("K3_STRICT", "K3CONF_FRESH_SEED", "K3CONF_CHECK_SEED", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+             "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "NUMBA_NUM_THREADS", "K3_THREADS")
 ENV_PREFIXES = ("K3_CUDA_",)
 
 

@@ -11,12 +11,13 @@
    it against its gate rows and writes the report that says where it first goes wrong.
 
 The inputs are the block's tiny cases drawn afresh with a seed of this check (named in every error, so the
-failure replays with `check_cores(backend, seed=...)`), twice per case.
+failure replays with `check_cores(backend, seed=...)`, or in a run with K3CONF_CHECK_SEED=N), twice per case.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import numpy as np
 
@@ -37,6 +38,7 @@ DRAWS = 2
 # err 1.0, the answer to other inputs ~1.4, while the loosest gate row (bf16) caps at 0.2 and the baselines
 # measured at most 6.6e-2 on one tiny draw (torch-bf16, mxfp4_gemv/N1-K32, 40 seeds).
 NOT_AN_ANSWER = 0.5
+CHECK_SEED_ENV = "K3CONF_CHECK_SEED"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +51,25 @@ class _Call:
     want: dict[str, np.ndarray]
 
 
+def check_seed() -> int:
+    """The start-up check's seed: K3CONF_CHECK_SEED when set (a replay of a check an error named), else a new
+    random one."""
+    text = os.environ.get(CHECK_SEED_ENV, "").strip()
+    if not text:
+        return draw_seed()
+    if not text.isdigit():
+        raise BackendError(f"{CHECK_SEED_ENV}: expected a non-negative integer (a check seed an error printed), "
+                           f"found {text[:60]!r}")
+    return int(text)
+
+
 def check_cores(backend: BackendBase, seed: int | None = None) -> None:
     """Call every core the backend supplies on fresh inputs shaped like its block's tiny cases (K != V and odd
     sizes among them), DRAWS draws each; BackendError naming the core, the case, the seed and what was expected
     and found when a call fails or an output breaks the interface, then when an output's error against the
     float64 reference exceeds the bound of its gate row (see the module docstring). A case the core raises
-    UnsupportedShape on is skipped. seed: replays an earlier check (default: a fresh one)."""
-    seed = draw_seed() if seed is None else seed
+    UnsupportedShape on is skipped. seed: replays an earlier check (default: `check_seed()`)."""
+    seed = check_seed() if seed is None else seed
     cores = backend.cores()
     for name in sorted(backend.kernel_cores()):
         spec = CORE_SPECS.get(name)
