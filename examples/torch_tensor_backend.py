@@ -9,8 +9,9 @@ inputs there, checks that tensors on that device come back, and times the cores 
 GPU machine). K3CONF_EXAMPLE_BUG plants a layout bug in kda_decode, the mistake a kernel written against another
 layout makes: "kda-dt-bias-kh" reads dt_bias [H*K] as if it were stored K-major ([K, H]); the cases then fail and
 the first failure names kda_decode and the case (on about 1 start-up check seed in 20 its error is large enough for
-the check to refuse the backend instead; K3CONF_CHECK_SEED=0 replays a check it passes). "kda-state-vk" reads the state [B, H, K, V] as [B, H, V, K]: an
-error so large that the start-up check of the cores refuses the backend before any case runs, naming kda_decode.
+the check to refuse the backend instead; K3CONF_CHECK_SEED=0 replays a check it passes). "kda-state-vk" reads
+the state [B, H, K, V] as [B, H, V, K]: an error so large that the start-up check of the cores refuses the
+backend before any case runs, naming kda_decode.
 """
 from __future__ import annotations
 
