@@ -1,8 +1,8 @@
 """Single-layer bugs planted in a PyTorch K3 model (k3torch `K3ForCausalLM`): what `compare` must find.
 
 Each function changes ONE layer's module instance of a loaded model in place (the other layers, and other
-models, keep the correct code) and returns a short description. They are the acceptance cases of the dump
-comparison: recorded, each must be named as the source at its layer and sublayer, later layers as carriers.
+models, keep the correct code) and returns a short description. They are what the dump comparison's tests hold
+it to: recorded, each must be named as the source at its layer and sublayer, later layers as carriers.
 
     kda_lower_bound     KDA decay gate with a wrong lower bound (config.gate_lower_bound)    -> "mixer"
     mla_softmax_scale   MLA scores scaled by 1/sqrt(qk_nope_head_dim), not 1/sqrt(nope + rope) -> "mixer"
