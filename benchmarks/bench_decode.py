@@ -12,16 +12,12 @@ Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_decode.py -q -s
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import numpy as np
 import pytest
 
-from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
+from conformance.judge.speed import SpeedTargetMissed, race, thread_mode
 from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
-from k3ref.threads import compute_threads, numba_threads
 from k3ref.weights import inventory, is_routed_expert
 
 DECODE_FLOOR_TARGET = 2.0  # one-token decode within 2x of the memory floor
@@ -35,17 +31,6 @@ THREAD_MODES = [
     pytest.param(False, id="all-cores", marks=pytest.mark.xfail(
         raises=SpeedTargetMissed, strict=False, reason=_MISS.format("5.9-25x (other users on both cores)"))),
 ]
-
-
-@contextlib.contextmanager
-def thread_mode(pinned: bool):
-    """One BLAS and one numba thread (pinned), or the defaults; yields a line naming the mode and the load."""
-    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
-    if not pinned:
-        yield f"all cores (numba on {compute_threads()} threads), {load}"
-        return
-    with one_blas_thread(), numba_threads(1):
-        yield f"pinned to 1 thread, {load}"
 
 
 def decode_bytes(model: K3CpuModel, context: int) -> int:

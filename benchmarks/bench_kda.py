@@ -13,32 +13,17 @@ Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_kda.py -q -s)
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import numpy as np
 import pytest
 
-from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
+from conformance.judge.speed import SpeedTargetMissed, race, thread_mode
 from k3ref.kda import kda_chunked, kda_decode_core, kda_gate, kda_recurrent
-from k3ref.threads import compute_threads, numba_threads
 
 CHUNKED_OVER_RECURRENT_MAX = 0.5   # the chunked prefill must take under half the recurrent one's time
 DECODE_FLOOR_TARGET = 3.0          # decode core time over the memory floor
 
 
 THREAD_MODES = [pytest.param(True, id="pinned"), pytest.param(False, id="all-cores")]
-
-
-@contextlib.contextmanager
-def thread_mode(pinned: bool):
-    """One BLAS and one numba thread (pinned), or the defaults; yields a line naming the mode and the load."""
-    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
-    if not pinned:
-        yield f"all cores (numba on {compute_threads()} threads), {load}"
-        return
-    with one_blas_thread(), numba_threads(1):
-        yield f"pinned to 1 thread, {load}"
 
 
 def _mode_name(pinned: bool) -> str:

@@ -11,15 +11,11 @@ Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_moe.py -q -s)
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import numpy as np
 import pytest
 
-from conformance.judge.speed import SpeedTargetMissed, one_blas_thread, race
+from conformance.judge.speed import SpeedTargetMissed, race, thread_mode
 from k3ref.latent_moe import LatentMoeConfig, routed_expert
-from k3ref.threads import compute_threads, numba_threads
 
 EXPERT_FLOOR_TARGET = 8.0
 THREAD_MODES = [
@@ -35,15 +31,6 @@ THREAD_MODES = [
 ]
 
 
-@contextlib.contextmanager
-def thread_mode(pinned: bool):
-    """One BLAS and one numba thread (pinned), or the defaults; yields a line naming the mode and the load."""
-    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
-    if not pinned:
-        yield f"all cores (numba on {compute_threads()} threads), {load}"
-        return
-    with one_blas_thread(), numba_threads(1):
-        yield f"pinned to 1 thread, {load}"
 K3_EXPERT = LatentMoeConfig(hidden_size=7168, num_experts=1, top_k=1, latent_size=3584, moe_intermediate_size=3072,
                             n_shared_experts=0, shared_intermediate_size=0)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
-from k3ref.threads import blas_threads, describe_blas
+from k3ref.threads import blas_threads, compute_threads, describe_blas, numba_threads
 
 FLOOR_COPY_BYTES = 512 << 20    # the memory floor's copy: 512 MB of float32, far beyond any cache here
 FLOOR_REPEATS = 5               # best of 5 (these machines are shared: the best run is the least disturbed)
@@ -127,6 +127,18 @@ def one_blas_thread() -> Iterator[str]:
     before = describe_blas()
     with blas_threads(1):
         yield f"{describe_blas()} (was: {before})"
+
+
+@contextlib.contextmanager
+def thread_mode(pinned: bool) -> Iterator[str]:
+    """One BLAS and one numba thread (pinned), or the defaults a user gets; yields a line naming the mode and the
+    load average (the benchmarks' two threadings)."""
+    load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    if not pinned:
+        yield f"all cores (numba on {compute_threads()} threads), {load}"
+        return
+    with one_blas_thread(), numba_threads(1):
+        yield f"pinned to 1 thread, {load}"
 
 
 @functools.cache
