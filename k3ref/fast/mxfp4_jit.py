@@ -22,13 +22,13 @@ count either. `lane_order_reference` states the same order in NumPy for the test
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numba
 import numpy as np
 
 from . import forked_after_numba
+from .gemv_jit import superword_vectorizer
 
 ROW_BLOCK = 16      # output rows per parallel work item (speed only: amortises the item's scratch allocations)
 THREADS_MIN_BYTES = 2 << 20   # packed bytes from which a call runs on numba's threads (speed only: a smaller one,
@@ -37,21 +37,6 @@ _TWO_126 = np.float32(2.0 ** 126)
 # scale byte s -> the float32 factor the decoded bits are multiplied by: 2^(s - 1) for s <= 128 (the whole scale,
 # exact); 1 above, where `_decode_row` has already applied the scale in two steps.
 _FACTOR = np.array([math.ldexp(1.0, s - 1) if s <= 128 else 1.0 for s in range(256)], np.float32)
-
-
-@contextlib.contextmanager
-def superword_vectorizer():
-    """Compile inside this block with LLVM's SLP vectoriser on: it packs the sixteen written-out partial sums
-    into vector registers (8x faster here). numba leaves it off by default after an LLVM miscompilation
-    (numba issue 8705); tests/k3ref/test_fast_jit_moe.py checks these kernels bit for bit against the order
-    stated in NumPy, which a miscompiled kernel would fail. numba reads the flag whenever it compiles, so
-    this only affects what compiles inside the block (a function's first call per type signature)."""
-    before = numba.config.SLP_VECTORIZE
-    numba.config.SLP_VECTORIZE = 1
-    try:
-        yield
-    finally:
-        numba.config.SLP_VECTORIZE = before
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
