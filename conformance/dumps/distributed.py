@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.dumps.format import Dump, DumpError
+from conformance.dumps.errors import DumpError
+from conformance.dumps.format import Dump
 from conformance.dumps.workers import LayerRuns, RunLayer, run_here
 from conformance.tp.comm import TorchComm
 from conformance.tp.launch import env_rank, init_group, under_torchrun

@@ -14,21 +14,11 @@ import numpy as np
 
 from k3ref.safetensors_io import Header, numpy_dtype
 
-from .errors import (
-    DumpDtypeError,
-    DumpError,
-    DumpFileError,
-    DumpManifestError,
-    DumpMissingError,
-    DumpRankError,
-    DumpShapeError,
-)
+from .errors import DumpFileError, DumpManifestError, DumpMissingError, DumpRankError
 from .format_checks import DumpStep, Manifest, check_rank, check_step, read_manifest
 from .names import Split, num_blocks, split_name
-from .writer import DumpWriter
 
-__all__ = ["Dump", "DumpDtypeError", "DumpError", "DumpFileError", "DumpManifestError", "DumpMissingError",
-           "DumpRankError", "DumpShapeError", "DumpStep", "DumpWriter"]
+__all__ = ["Dump", "DumpStep"]
 
 
 class Dump:

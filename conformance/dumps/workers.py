@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from conformance.dumps.format import Dump, DumpError
+from conformance.dumps.errors import DumpError
+from conformance.dumps.format import Dump
 
 RunLayer = Callable[[Dump, Path, int], Any]   # (dump, checkpoint, layer) -> a result with .to_json() -> dict
 POLL_S = 1.0          # how often the collecting thread looks at its workers when no message arrives

@@ -16,7 +16,7 @@ import pytest
 
 from conformance.cli import main as cli_main
 from conformance.cli.compare import layer_list
-from conformance.dumps.format import Dump, DumpWriter
+from conformance.dumps import Dump, DumpWriter
 from conformance.dumps.recorder_ref import record_ref
 from conformance.dumps.report_text import ranges, sci
 from conformance.dumps.verdict import DumpReport

@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 
+from conformance.dumps import Dump, DumpWriter
 from conformance.dumps.budgets import EXPERTS_GAIN, budget_for
 from conformance.dumps.errors import DumpShapeError
-from conformance.dumps.format import Dump, DumpWriter
 from conformance.dumps.planted import EXPECTED_SUBLAYER, plant
 from conformance.dumps.recompute import LayerResult, recompute_layer
 from conformance.dumps.verdict import DumpReport, compare_dump
