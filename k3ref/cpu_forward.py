@@ -273,8 +273,10 @@ def _reading_ahead(ctx: ForwardContext, layer: int) -> Cores:
     return ctx.cores.replace(moe_route=route_then_read_ahead)
 
 
-def _mlp(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
-    """Dense SiTU MLP or Stable LatentMoE over x [T, D]."""
+def mlp_forward(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
+    """Dense SiTU MLP or Stable LatentMoE over x [T, D] -> [T, D].
+
+    Public because the dump comparison recomputes one layer's MLP on an engine's recorded input."""
     m, w = ctx.model, ctx.model.layer(layer)
     if m.graph.layers[layer].mlp == MlpKind.DENSE:
         d = w.sub("mlp.")
@@ -306,7 +308,7 @@ def forward_one_layer(ctx: ForwardContext, layer: int, hidden, cache: HybridCach
     hidden.add_mixer(rec["a"])
     rec["m"] = hidden.mlp_input(w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], mix=mix, cores=ctx.cores)
     rec["x_mlp"] = ctx.cores.rmsnorm(rec["m"], w["post_attention_layernorm.weight"], eps)
-    rec["f"] = _mlp(ctx, layer, rec["x_mlp"])
+    rec["f"] = mlp_forward(ctx, layer, rec["x_mlp"])
     hidden.add_mlp(rec["f"])
     return hidden, cache, rec
 

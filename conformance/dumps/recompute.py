@@ -34,10 +34,8 @@ import numpy as np
 
 from k3ref.attnres import AttnResHub
 from k3ref.cores import Cores, reference_cores
-from k3ref.cpu_forward import ForwardContext, K3CpuModel, forward_one_layer, mixer_forward
-from k3ref.latent_moe import latent_moe_forward
+from k3ref.cpu_forward import ForwardContext, K3CpuModel, forward_one_layer, mixer_forward, mlp_forward
 from k3ref.layer import MixerKind, MlpKind
-from k3ref.situ import situ_glu_vec
 
 from .budgets import EXPERTS_GAIN, ROUTE_TIE, budget_for, gain_key
 from .divergence import Divergence, divergence
@@ -146,16 +144,6 @@ def hub_from(model: K3CpuModel, blocks: np.ndarray, prefix: np.ndarray) -> AttnR
     hub = AttnResHub(model.cfg.attn_res_block_size, eps=model.cfg.rms_norm_eps)
     hub.blocks, hub.prefix = [np.asarray(b, np.float64) for b in blocks], np.asarray(prefix, np.float64)
     return hub
-
-
-def mlp_forward(ctx: ForwardContext, layer: int, x: np.ndarray) -> np.ndarray:
-    """The layer's dense SiTU MLP or LatentMoE over x [T, D] (whole model, no TP)."""
-    model, w = ctx.model, ctx.model.layer(layer)
-    if model.graph.layers[layer].mlp == MlpKind.DENSE:
-        d = w.sub("mlp.")
-        return situ_glu_vec(x, d["gate_proj.weight"], d["up_proj.weight"], d["down_proj.weight"],
-                            beta=model.cfg.situ_beta, linear_beta=model.cfg.situ_linear_beta, cores=ctx.cores)
-    return latent_moe_forward(w.sub("block_sparse_moe."), x, model.moe_cfg, cores=ctx.cores)
 
 
 def _engine(dump: Dump, step: int, layer: int, name: str) -> np.ndarray | None:
