@@ -31,7 +31,6 @@ in a note, K3CONF_FRESH_SEED=N replays it), against the same gates and the basel
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 
 from conformance.backends.registry import get_backend
 from conformance.cases.catalog import kind_of
-from conformance.cases.fresh import PER_BLOCK_KINDS, draw_seed, fresh_golden
+from conformance.cases.fresh import PER_BLOCK_KINDS, env_seed, fresh_golden
 from conformance.cases.protocol import Case, Evaluation
 from conformance.cases.trace_names import layer_of
 from conformance.golden.errors import GoldenError
@@ -74,13 +73,7 @@ FRESH_SEED_ENV = "K3CONF_FRESH_SEED"
 
 def fresh_seed() -> int:
     """The seed of this run's fresh inputs: K3CONF_FRESH_SEED when set (a replay), else a new random one."""
-    text = os.environ.get(FRESH_SEED_ENV, "").strip()
-    if not text:
-        return draw_seed()
-    if not text.isdigit():
-        raise SessionError(f"{FRESH_SEED_ENV}: expected a non-negative integer (a seed a report printed), "
-                           f"found {text[:60]!r}")
-    return int(text)
+    return env_seed(FRESH_SEED_ENV, "a report", SessionError)
 
 
 class Runner:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 
 import numpy as np
 
 from conformance.backends.external import BackendError
 from conformance.backends.protocol import BackendBase
 from conformance.cases.core import CORE_SPECS, CORE_TABLE, CoreSpec
-from conformance.cases.fresh import draw_seed
+from conformance.cases.fresh import env_seed
 from conformance.cases.inputs import cast, fp32_kept
 from conformance.cases.protocol import case_seed
 from conformance.judge.compare import compare
@@ -54,13 +53,7 @@ class _Call:
 def check_seed() -> int:
     """The start-up check's seed: K3CONF_CHECK_SEED when set (a replay of a check an error named), else a new
     random one."""
-    text = os.environ.get(CHECK_SEED_ENV, "").strip()
-    if not text:
-        return draw_seed()
-    if not text.isdigit():
-        raise BackendError(f"{CHECK_SEED_ENV}: expected a non-negative integer (a check seed an error printed), "
-                           f"found {text[:60]!r}")
-    return int(text)
+    return env_seed(CHECK_SEED_ENV, "a check error", BackendError)
 
 
 def check_cores(backend: BackendBase, seed: int | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import secrets
 from pathlib import Path
 
@@ -38,6 +39,17 @@ SEED_RANGE = 2 ** 31 - 1
 def draw_seed() -> int:
     """A seed from the operating system's randomness: no kernel can know it before the run prints it."""
     return secrets.randbelow(SEED_RANGE)
+
+
+def env_seed(name: str, printed_by: str, error: type[Exception]) -> int:
+    """The seed in environment variable `name` when set (a replay of one `printed_by` printed), else `draw_seed()`;
+    a value that is not a non-negative integer raises `error` (the caller's kind of error) naming it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return draw_seed()
+    if not text.isdigit():
+        raise error(f"{name}: expected a non-negative integer (a seed {printed_by} printed), found {text[:60]!r}")
+    return int(text)
 
 
 def fresh_case(case: Case, seed: int) -> Case | None:
