@@ -87,12 +87,15 @@ def _decode_inputs(B, H=96, K=128, V=128, seed=1):
 # B1 runs on one thread in both modes (6.3 MB of state: below DECODE_BYTES_PER_THREAD), so its two rows differ by noise
 DECODE_CASES = [pytest.param(1, id="B1", marks=pytest.mark.xfail(
     raises=SpeedTargetMissed, strict=False,
-    reason="1.2-2.9x in 8 runs on 2026-12-04 and once 3.06x with the copy floor at 33 GB/s (0.38 ms): the compiled "
+    reason="on a quiet machine of this type (load 0.6-1.3, copy 31-33 GB/s, 2026-12-04) 2.1-2.8x in 5 runs and "
+           "3.46x once; under load 1.2-2.9x in 8 runs and once 3.06x: the compiled "
            "step takes ~0.48 ms, and the gates, L2 norms and argument checks before it, in NumPy, ~0.38 ms; "
            "meeting 3x on a quiet machine needs those fused into the compiled step")),
                 pytest.param(8, id="B8")]
 # B8 (a 50 MB state; 2026-12-04, load average 4-7): pinned 2.5-3.0x while the copy floor ran at 15-19 GB/s, 3.58x
-# when it ran at 27.6 GB/s; all cores 1.4-2.98x and once 3.3x (a thread descheduled on the shared 2 cores)
+# when it ran at 27.6 GB/s; all cores 1.4-2.98x and once 3.3x (a thread descheduled on the shared 2 cores). Quiet
+# (load 0.6-1.3, copy 30-32 GB/s): pinned 2.83-2.92x, all cores 1.76-2.12x in 3 runs each: met, by a thin margin
+# pinned, so the declaration stays for loaded machines (CI's short pass measured 3.002x once)
 B8_DECLARED = pytest.mark.xfail(
     raises=SpeedTargetMissed, strict=False,
     reason="a single-thread decode streams the 50 MB state at ~12 GB/s of read + read-for-ownership + write traffic "
