@@ -27,8 +27,8 @@ THREAD_MODES = [
     pytest.param(False, id="all-cores", marks=pytest.mark.xfail(
         raises=SpeedTargetMissed, strict=False,
         reason="measured 10.2x on a quiet machine of this type (load 0.6: both threads ran) and 20-30x while "
-               "other users loaded the two cores (load 3-8: the second thread mostly waited), on 2026-12-04; the "
-               "per-code cost of the pinned row, halved; docs/measurements.md")),
+               "other users loaded the two cores (load 3-8: the second thread mostly waited), on 2026-12-04; two "
+               "threads halve the pinned time, each still at ~0.3 ns per code; docs/measurements.md")),
 ]
 
 
