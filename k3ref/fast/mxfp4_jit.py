@@ -6,121 +6,183 @@ The readable statement is `k3ref.mxfp4.dequantize` followed by a matmul; `k3ref.
 NumPy forms of `k3ref.fast.mxfp4` and `k3ref.fast.latent_moe`). numba is a base dependency; each kernel compiles
 on its first call per type signature and is cached on disk (`cache=True`).
 
-Each weight is decoded exactly as `dequantize` defines it, in float32: the E2M1 code's magnitude bits are placed
-in a float32's exponent and mantissa fields (code e m -> bits e << 23 | m << 22, which is E2M1 x 2^-126, exact),
-and the product with the group's scale 2^(s - 127) is one float32 multiply by 2^(s - 1) when that factor is
-finite (s <= 128: the result is exact and never overflows), else two (x 2^126, then x the scale: float32 rounds
-to inf exactly where `dequantize` does, and s = 255 gives NaN). The weight is then widened to x's dtype and
-multiplied in it, as `dequantize(W).astype(x.dtype)` would be.
+Decoding is a table lookup. `GROUP_TABLES[s]` holds the sixteen float32 weights a group with scale byte s can
+take (E2M1 code c times 2^(s - 127), NaN for s = 255, inf where float32 overflows: what `dequantize` gives; a test
+compares all 256 x 16). One group of 32 weights is sixteen packed bytes; their low nibbles index the group's
+table into one 16-lane vector, their high nibbles into another, so decoding and scaling cost three vector
+instructions per 32 weights (`_group_weights`: LLVM turns the lookup into a variable permute where the CPU has
+one). The weight is then widened to x's dtype and multiplied in it, as `dequantize(W).astype(x.dtype)` would be.
 
 Order of every sum (part of the result; no fastmath, so LLVM neither fuses multiply-adds nor reorders sums): a
-dot product keeps sixteen partial sums, a_j over the low-nibble products of bytes i = j mod 8 and b_j over the
-high-nibble ones, bytes in order, then adds a_0 + ... + a_7 + b_0 + ... + b_7 left to right (`_row_dot`). The
-partial sums sit side by side in vector registers without any reassociation, so the bits do not depend on the
-vector width; `prange` splits only independent output rows between threads, so they do not depend on the thread
-count either. `lane_order_reference` states the same order in NumPy for the tests.
+dot product keeps thirty-two partial sums, a_j over the low-nibble products of bytes i = j mod 16 and b_j over the
+high-nibble ones, bytes in order, then adds a_0 + ... + a_15 + b_0 + ... + b_15 left to right. The partial sums
+are the lanes of two explicit vectors (`_row_dot` writes LLVM IR), so the bits depend neither on the CPU's vector
+width nor on the instructions chosen; `prange` splits only independent output rows between threads, so they do
+not depend on the thread count either. `lane_order_reference` states the same order in NumPy for the tests.
 """
 from __future__ import annotations
 
-import math
+import platform
 
+import llvmlite.binding
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from . import forked_after_numba
-from .gemv_jit import superword_vectorizer
 
-ROW_BLOCK = 16      # output rows per parallel work item (speed only: amortises the item's scratch allocations)
+LANES = 16          # partial sums per nibble parity (fixed: it defines the summation order); 16 bytes = one group
+ROW_BLOCK = 16      # output rows per parallel work item (speed only)
 THREADS_MIN_BYTES = 2 << 20   # packed bytes from which a call runs on numba's threads (speed only: a smaller one,
                               # `small`'s 256 KB of experts, costs less than waking the threads on a busy machine)
-_TWO_126 = np.float32(2.0 ** 126)
-# scale byte s -> the float32 factor the decoded bits are multiplied by: 2^(s - 1) for s <= 128 (the whole scale,
-# exact); 1 above, where `_decode_row` has already applied the scale in two steps.
-_FACTOR = np.array([math.ldexp(1.0, s - 1) if s <= 128 else 1.0 for s in range(256)], np.float32)
+
+
+def _group_tables() -> np.ndarray:
+    """[256, 16] float32: row s = the E2M1 values of codes 0..15 (sign in bit 3) times 2^(s - 127), one float32
+    multiply each as `dequantize` does (exact but where 6 x 2^127 overflows to inf); row 255 is NaN."""
+    magnitude = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+    values = np.concatenate([magnitude, -magnitude])                          # codes 8..15: the same, negated
+    with np.errstate(over="ignore", invalid="ignore"):
+        scales = np.ldexp(1.0, np.arange(256) - 127).astype(np.float32)      # 2^-127 is a float32 subnormal: exact
+        scales[255] = np.nan
+        tables = scales[:, None] * values[None, :]
+    tables.setflags(write=False)
+    return tables
+
+
+GROUP_TABLES = _group_tables()
+
+
+def _target_has(feature: str) -> bool:
+    """True when numba compiles for an x86 CPU with `feature` ("avx2", "avx512f"); speed only (see
+    `_group_weights`). An explicit numba target (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. "generic" for a
+    portable cache) counts only when its feature string names +feature."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    name, features = (getattr(numba.config, key, None) for key in ("CPU_NAME", "CPU_FEATURES"))
+    if name or features:
+        return f"+{feature}" in (features or "")
+    return bool(llvmlite.binding.get_host_cpu_features().get(feature, False))
+
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+
+def _vector(element, n: int = LANES) -> ir.VectorType:
+    return ir.VectorType(element, n)
+
+
+def _lookup(builder, table, index):
+    """out[k] = table[index[k]] for k < LANES: written as element moves, which LLVM's x86 back end lowers to one
+    variable permute (vpermd) and any other back end to what it has."""
+    out = ir.Constant(_vector(table.type.element), ir.Undefined)
+    for k in range(LANES):
+        i = builder.extract_element(index, ir.Constant(_I32, k))
+        out = builder.insert_element(out, builder.extract_element(table, i), ir.Constant(_I32, k))
+    return out
+
+
+def _group_weights(builder, table, packed16, permute: bool, opaque: bool):
+    """The group's 16 low-nibble and 16 high-nibble weights (float32 vectors) from its table and its 16 bytes.
+
+    `permute` (a CPU with a variable permute: x86 AVX2 and later): a table lookup per vector. Elsewhere LLVM
+    would lower the lookup as 16 scalar moves, so the weights are computed instead, to the same values: the
+    E2M1 code's bits placed in a float32 (code e m -> e << 23 | m << 22, which is E2M1 x 2^-126), times 2^126
+    (exact: the E2M1 value), times the group's scale (table[2] = 1.0 x scale: one float32 multiply, as
+    `dequantize` does). With `opaque`, each looked-up vector passes through an empty inline-asm statement:
+    without it, widening to float64 makes LLVM split the lookup in halves and lower one as scalar moves."""
+    def splat(value, element):
+        v = builder.insert_element(ir.Constant(_vector(element), ir.Undefined), value, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(_vector(_I32), [0] * LANES))
+
+    def ints(v: int):
+        return ir.Constant(_vector(_I32), [v] * LANES)
+
+    def field(mask: int, shift: int):
+        return builder.shl(builder.and_(codes, ints(mask)), ints(shift))
+
+    codes = builder.zext(packed16, _vector(_I32))
+    if permute:
+        weights = [_lookup(builder, table, builder.and_(codes, ints(15))),
+                   _lookup(builder, table, builder.lshr(codes, ints(4)))]
+        if opaque:
+            weights = [builder.asm(ir.FunctionType(w.type, [w.type]), "", "=v,0", [w], False) for w in weights]
+        return weights
+    two_126 = splat(ir.Constant(_F32, 2.0 ** 126), _F32)
+    scale = splat(builder.extract_element(table, ir.Constant(_I32, 2)), _F32)
+    low = builder.or_(field(0x07, 22), field(0x08, 28))          # magnitude e m -> e << 23 | m << 22, sign -> 31
+    high = builder.or_(field(0x70, 18), field(0x80, 24))
+    return [builder.fmul(builder.fmul(builder.bitcast(bits, _vector(_F32)), two_126), scale) for bits in (low, high)]
+
+
+_PERMUTE = _target_has("avx2")
+_OPAQUE = _PERMUTE and _target_has("avx512f")   # the empty asm names an AVX-512 register class ("v")
+
+
+@intrinsic
+def _row_dot(typingctx, row, srow, tables, xe, xo):
+    """One output: packed row u8 [K/2] with scale bytes srow u8 [K/32] against one input row split into its even
+    and odd elements xe, xo [K/2] (float32 or float64), tables = GROUP_TABLES; shapes checked by the caller.
+    Emits the group loop in LLVM IR on two explicit vectors of LANES partial sums (a_j, b_j: the module docstring's
+    order), then reduces them left to right."""
+    dtype = xe.dtype
+    sig = dtype(row, srow, tables, xe, xo)
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(ty)(context, builder, a) for ty, a in zip(signature.args, args, strict=True)]
+        p_row, p_scale, p_tables, p_even, p_odd = (a.data for a in arrays)
+        groups = builder.extract_value(arrays[1].shape, 0)
+        wide = _vector(context.get_value_type(dtype))
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * LANES)) for _ in range(2)]
+        opaque = _OPAQUE and dtype != types.float32
+        with cgutils.for_range(builder, groups) as loop:
+            g = loop.index
+            s = builder.zext(builder.load(builder.gep(p_scale, [g])), _I64)
+            table_at = builder.gep(p_tables, [builder.mul(s, ir.Constant(_I64, LANES))])
+            table = builder.load(builder.bitcast(table_at, _vector(_F32).as_pointer()), align=4)
+            start = builder.mul(g, ir.Constant(g.type, LANES))
+            bytes16 = builder.load(builder.bitcast(builder.gep(p_row, [start]), _vector(_I8).as_pointer()), align=1)
+            weights = _group_weights(builder, table, bytes16, _PERMUTE, opaque)
+            for w, p_x, acc in zip(weights, (p_even, p_odd), sums, strict=True):
+                x = builder.load(builder.bitcast(builder.gep(p_x, [start]), wide.as_pointer()), align=1)
+                if dtype != types.float32:
+                    w = builder.fpext(w, wide)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
+        lanes = [builder.extract_element(builder.load(acc), ir.Constant(_I32, j)) for acc in sums for j in range(LANES)]
+        total = lanes[0]
+        for lane in lanes[1:]:
+            total = builder.fadd(total, lane)
+        return total
+
+    return sig, codegen
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _decode_row(row, srow, lob, hib, lof, hif):  # pragma: no cover -- compiled; tested through its callers
-    """Bits of the low / high nibbles' E2M1 x 2^-126 into lob, hib int32 [K/2] (lof, hif: their float32 views);
-    in the rare groups with a scale byte above 128 the full weight (E2M1 x 2^126 x scale, inf / NaN as
-    `dequantize`) replaces them, so that x `_FACTOR` (1 there) gives the weight in every group."""
-    for i in range(row.shape[0]):
-        b = np.int32(row[i])
-        lob[i] = ((b & np.int32(7)) << np.int32(22)) | ((b & np.int32(8)) << np.int32(28))
-        hib[i] = ((b & np.int32(0x70)) << np.int32(18)) | ((b & np.int32(0x80)) << np.int32(24))
-    for g in range(srow.shape[0]):
-        s = srow[g]
-        if s > 128:
-            sv = np.float32(np.nan) if s == 255 else np.float32(math.ldexp(1.0, np.int64(s) - 127))
-            for i in range(16 * g, 16 * g + 16):
-                lof[i] = (lof[i] * _TWO_126) * sv
-                hif[i] = (hif[i] * _TWO_126) * sv
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _row_dot(lof, hif, srow, factor, xe, xo):  # pragma: no cover -- compiled; tested through its callers
-    """One output: the weights of a decoded row (lof, hif, scale bytes srow) against one input row split into
-    its even and odd elements xe, xo [K/2]. Sixteen partial sums, written out so that LLVM keeps them in
-    vector registers: a_j adds the low-nibble products of bytes i = j mod 8, b_j the high-nibble ones, bytes in
-    order; then a_0 + ... + a_7 + b_0 + ... + b_7 left to right."""
-    z = xe.dtype.type(0)
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = z
-    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = z
-    for g in range(srow.shape[0]):
-        f = factor[srow[g]]
-        for u in range(2):
-            i = 16 * g + 8 * u
-            lo, hi, el, od = lof[i:i + 8], hif[i:i + 8], xe[i:i + 8], xo[i:i + 8]   # constant indices below:
-            a0 += (lo[0] * f) * el[0]                                 # no negative-index fix-ups, so LLVM
-            a1 += (lo[1] * f) * el[1]                                 # packs the 8 sums into vector lanes
-            a2 += (lo[2] * f) * el[2]
-            a3 += (lo[3] * f) * el[3]
-            a4 += (lo[4] * f) * el[4]
-            a5 += (lo[5] * f) * el[5]
-            a6 += (lo[6] * f) * el[6]
-            a7 += (lo[7] * f) * el[7]
-            b0 += (hi[0] * f) * od[0]
-            b1 += (hi[1] * f) * od[1]
-            b2 += (hi[2] * f) * od[2]
-            b3 += (hi[3] * f) * od[3]
-            b4 += (hi[4] * f) * od[4]
-            b5 += (hi[5] * f) * od[5]
-            b6 += (hi[6] * f) * od[6]
-            b7 += (hi[7] * f) * od[7]
-    return a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + b0 + b1 + b2 + b3 + b4 + b5 + b6 + b7
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _gemv_item(item, packed, scale, factor, xe, xo, starts, rows_of, out):  # pragma: no cover -- see experts_gemv
+def _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out):  # pragma: no cover -- see experts_gemv
     """One work item: the rows of one (expert, block of ROW_BLOCK rows) for every pair of that expert."""
-    R, half = packed.shape[1], packed.shape[2]
+    R = packed.shape[1]
     blocks = (R + ROW_BLOCK - 1) // ROW_BLOCK
     e = item // blocks
-    p0, p1 = starts[e], starts[e + 1]
-    if p0 == p1:
-        return
-    lob = np.empty(half, np.int32)
-    hib = np.empty(half, np.int32)
-    lof, hif = lob.view(np.float32), hib.view(np.float32)
     r0 = (item % blocks) * ROW_BLOCK
     for r in range(r0, min(r0 + ROW_BLOCK, R)):
-        _decode_row(packed[e, r], scale[e, r], lob, hib, lof, hif)
-        for p in range(p0, p1):                                    # the decoded row serves every pair of e
-            out[p, r] = _row_dot(lof, hif, scale[e, r], factor, xe[rows_of[p]], xo[rows_of[p]])
+        for p in range(starts[e], starts[e + 1]):                      # each row's bytes serve every pair of e
+            out[p, r] = _row_dot(packed[e, r], scale[e, r], tables, xe[rows_of[p]], xo[rows_of[p]])
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
-def _experts_gemv_threads(packed, scale, factor, xe, xo, starts, rows_of, out):  # pragma: no cover
+def _experts_gemv_threads(packed, scale, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
     items = packed.shape[0] * ((packed.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK)
     for item in numba.prange(items):                               # independent (expert, row block) items
-        _gemv_item(item, packed, scale, factor, xe, xo, starts, rows_of, out)
+        _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out)
 
 
 @numba.njit(cache=True, nogil=True)
-def _experts_gemv_one(packed, scale, factor, xe, xo, starts, rows_of, out):  # pragma: no cover
+def _experts_gemv_one(packed, scale, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
     items = packed.shape[0] * ((packed.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK)
     for item in range(items):
-        _gemv_item(item, packed, scale, factor, xe, xo, starts, rows_of, out)
+        _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out)
 
 
 def split_inputs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -136,14 +198,13 @@ def experts_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray, starts: n
     packed u8 [n, R, K/2] and scale u8 [n, R, K/32] (n experts, stacked, or one expert as a [None] view), both
     C-contiguous; x [M, K] float32 or float64; starts int64 [n + 1]: expert e owns pairs starts[e] ..
     starts[e + 1] - 1; rows_of int64 [P]: the row of x each pair reads; out [P, R] in x's dtype, C-contiguous.
-    All checked by the caller (`k3ref.mxfp4`, `k3ref.latent_moe`). Each weight row is decoded once for all the
-    pairs of its expert, and every byte is read once. Returns out.
+    All checked by the caller (`k3ref.mxfp4`, `k3ref.latent_moe`). Every byte is read once per pair of its
+    expert, from cache after the first. Returns out.
     """
     xe, xo = split_inputs(x)
     threaded = packed.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
     kernel = _experts_gemv_threads if threaded else _experts_gemv_one
-    with superword_vectorizer():
-        kernel(packed, scale, _FACTOR, xe, xo, starts, rows_of, out)
+    kernel(packed, scale, GROUP_TABLES, xe, xo, starts, rows_of, out)
     return out
 
 
@@ -174,16 +235,16 @@ def mix_pairs(outs: np.ndarray, pair_tok: np.ndarray, pair_w: np.ndarray, y: np.
 
 def lane_order_reference(W: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The kernel's sums written in NumPy, for the tests: W = dequantize(packed, scale) [N, K] float32, x [M, K]
-    -> y [M, N], every product and addition in the order `_row_dot` states (the weight widened to x's dtype
+    -> y [M, N], every product and addition in the order the module docstring states (the weight widened to x's dtype
     first, as the kernel's float32 weight is when it meets x). Slow; the kernel must give the same bits."""
     Wd = W.astype(x.dtype)
     lanes = []
-    for parity in (0, 1):                                           # a_0..a_7 (even elements), b_0..b_7 (odd)
+    for parity in (0, 1):                                           # a_0..a_15 (even elements), b_0..b_15 (odd)
         w, xs = Wd[:, parity::2], x[:, parity::2]
-        acc = np.zeros((x.shape[0], W.shape[0], 8), x.dtype)
-        for i in range(0, w.shape[1], 8):
-            acc += xs[:, None, i:i + 8] * w[None, :, i:i + 8]
-        lanes += [acc[..., j] for j in range(8)]
+        acc = np.zeros((x.shape[0], W.shape[0], LANES), x.dtype)
+        for i in range(0, w.shape[1], LANES):
+            acc += xs[:, None, i:i + LANES] * w[None, :, i:i + LANES]
+        lanes += [acc[..., j] for j in range(LANES)]
     total = lanes[0]
     for lane in lanes[1:]:
         total = total + lane

@@ -4,6 +4,11 @@ NumPy (same bits), and the same bits on 1 and 2 numba threads. K3's expert shape
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ml_dtypes
 import numba
 import numpy as np
@@ -20,6 +25,7 @@ from k3ref.threads import numba_threads
 from k3ref.weights import synthetic_weights
 from tests.support.tolerances import rel_rms, tol
 
+ROOT = Path(__file__).resolve().parents[2]
 DL, DI = 3584, 3072                      # K3's routed expert: latent and intermediate widths
 GATE = {np.float64: tol("fp64_same_math"), np.float32: tol("fp32_vs_fp64")}
 
@@ -62,6 +68,59 @@ def test_mxfp4_kernel_sums_in_the_stated_order_and_keeps_inf_and_nan(dtype):
     assert np.array_equal(np.isinf(got), np.isinf(ref))
     fin = np.isfinite(ref)
     assert rel_rms(got[fin], ref[fin]) <= GATE[dtype]
+
+
+def test_group_tables_are_what_dequantize_gives():
+    """Every (scale byte, code) the lookup can meet, against the readable decoding: NaN, inf and -0 included."""
+    codes = np.arange(16, dtype=np.uint8)
+    row = np.tile(codes[0::2] | (codes[1::2] << 4), 2)                  # codes 0..15 twice: one 32-code group
+    with np.errstate(over="ignore"):
+        want = mxfp4.dequantize(np.tile(row, (256, 1)), np.arange(256, dtype=np.uint8)[:, None])[:, :16]
+    tables = mxfp4_jit.GROUP_TABLES
+    assert tables.dtype == np.float32 and tables.shape == (256, 16) and not tables.flags.writeable
+    assert np.array_equal(tables.view(np.uint32), want.view(np.uint32))   # bit for bit
+
+
+def _kernel_variant_outputs(out: str) -> None:
+    """Run in a child with a fresh numba cache: the kernel's outputs on fixed inputs (every scale byte, float32
+    and float64) into `out` (.npz)."""
+    rng = np.random.default_rng(12)
+    packed = rng.integers(0, 256, (64, 256), dtype=np.uint8)
+    scale = rng.integers(0, 256, (64, 16), dtype=np.uint8)
+    scale[:, 0] = np.arange(64) + 100                                  # 100 .. 163: both sides of 128
+    scale[0, 3], packed[0, 48:64] = 254, 0                              # row 0: one weight 6 x 2^127 = inf
+    packed[0, 48] = 7
+    scale[1, 5] = 255                                                   # row 1: a NaN group
+    x = rng.standard_normal((2, 512))
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.savez(out, **{np.dtype(dt).name: mxfp4_jit.gemv(packed, scale, x.astype(dt))
+                         for dt in (np.float32, np.float64)})
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param({"NUMBA_CPU_NAME": "generic"}, id="computed-weights"),    # no variable permute: arithmetic
+    pytest.param({"K3_TEST_MXFP4_OPAQUE": "0"}, id="lookup-without-asm"),
+])
+def test_mxfp4_kernel_variants_give_the_same_bits(variant, tmp_path):
+    """The decoding is chosen by the CPU numba compiles for (a table lookup where x86 has a variable permute,
+    the weights computed elsewhere; an empty asm statement on AVX-512 for speed). Each variant must give the
+    bits of the one this machine runs."""
+    env = {**{k: v for k, v in os.environ.items() if k != "K3_FAST"}, **variant,
+           "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    script = ("import os, sys\n"
+              "from k3ref.fast import mxfp4_jit\n"
+              "if os.environ.get('K3_TEST_MXFP4_OPAQUE') == '0':\n"
+              "    mxfp4_jit._OPAQUE = False\n"
+              "from tests.k3ref.test_fast_jit_moe import _kernel_variant_outputs\n"
+              "_kernel_variant_outputs(sys.argv[1])\n")
+    child = subprocess.run([sys.executable, "-c", script, str(tmp_path / "child.npz")], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    _kernel_variant_outputs(str(tmp_path / "here.npz"))
+    here, there = np.load(tmp_path / "here.npz"), np.load(tmp_path / "child.npz")
+    for name in ("float32", "float64"):
+        assert np.isnan(here[name]).any() and np.isinf(here[name]).any() and np.isfinite(here[name]).any()
+        assert np.array_equal(here[name].view(np.uint8), there[name].view(np.uint8)), name
 
 
 def _k3_moe(n_experts: int, top_k: int):
