@@ -29,7 +29,7 @@ from k3ref.latent_moe import sigmoid_topk
 
 
 def _rmsnorm(rng, T, D, eps):
-    x = rng.standard_normal((T, D)) * 10.0 ** rng.uniform(-1, 1, (T, 1))
+    x = rng.standard_normal((T, D)) * mag.ten_to(rng.uniform(-1, 1, (T, 1)))
     x[0] *= 1e-3          # a row whose mean square is ~1e-6: the eps is not negligible there
     return {"x": x, "w": 1.0 + 0.1 * rng.standard_normal(D)}, {"eps": eps}
 
@@ -104,7 +104,7 @@ def _moe_route(rng, T, E, top_k, n_group=1, topk_group=1, renormalize=True, scal
 
 
 def _attnres_mix(rng, S, lead, D, mix=1.0, eps=1e-5):
-    scales = 10.0 ** rng.uniform(-1, 1, (S,) + (1,) * (len(lead) + 1))   # sources of very different size
+    scales = mag.ten_to(rng.uniform(-1, 1, (S,) + (1,) * (len(lead) + 1)))   # sources of very different size
     return ({"sources": scales * rng.standard_normal((S,) + tuple(lead) + (D,)),
              "proj_w": 0.5 * rng.standard_normal(D), "norm_w": 1.0 + 0.1 * rng.standard_normal(D)},
             {"mix": mix, "eps": eps})
@@ -206,7 +206,7 @@ def _moe_route_k3(rng, T, E, top_k, n_group=1, topk_group=1, renormalize=True, s
     spread = mag.MEASURED["router.logits"]["spread"]
 
     def rows(n):
-        return mag.activations(rng, (n, E), "router.logits") * 10.0 ** rng.uniform(-spread / 2, spread / 2, (n, 1))
+        return mag.activations(rng, (n, E), "router.logits") * mag.ten_to(rng.uniform(-spread / 2, spread / 2, (n, 1)))
 
     logits = rows(T)
     for _ in range(1000):

@@ -68,7 +68,7 @@ def _stack(rng, E: int, Dl: int, Di: int, gains: tuple[float, float, float], unu
 def _moe_experts(rng, T, E, k, Dl, Di, scaling=1.0):
     idx, unused = _indices(rng, T, E, k)
     s = rng.uniform(0.1, 1.0, (T, k))
-    x = rng.standard_normal((T, Dl)) * 10.0 ** rng.uniform(-0.5, 0.5, (T, 1))
+    x = rng.standard_normal((T, Dl)) * mag.ten_to(rng.uniform(-0.5, 0.5, (T, 1)))
     return ({"x": x, "weights": s / s.sum(-1, keepdims=True) * scaling, "indices": idx,
              **_stack(rng, E, Dl, Di, TOY_GAINS, unused)}, {})
 
@@ -87,7 +87,7 @@ def _moe_experts_k3(rng, T, E, k, Dl, Di, scaling=1.0):
 
 
 def _add_rmsnorm(rng, T, D, eps):
-    row = 10.0 ** rng.uniform(-1, 1, (T, 1))     # rows at different scales, x about half the residual's RMS
+    row = mag.ten_to(rng.uniform(-1, 1, (T, 1)))   # rows at different scales, x about half the residual's RMS
     x = row * rng.standard_normal((T, D))
     residual = 2.0 * row * rng.standard_normal((T, D))
     x[0] *= 1e-3

@@ -16,6 +16,8 @@ margin between the 16th and 17th score kept above bf16 rounding (conformance.cas
 """
 from __future__ import annotations
 
+import decimal
+
 import numpy as np
 
 from k3ref.kda import kda_gate
@@ -44,13 +46,25 @@ GATE_RUN = 256            # steps of the long runs at the lower bound (one per r
 GATE_AT_BOUND = 0.99      # "at the lower bound": g <= GATE_AT_BOUND * lower_bound
 
 
+def ten_to(u: np.ndarray) -> np.ndarray:
+    """10^u elementwise, the same bits on every machine: what the goldens' inputs are drawn with. NumPy's
+    `10.0 ** u` is not: on an AVX-512 CPU it runs its own SIMD pow, which differs from other CPUs' in the last
+    bit for some u (measured: one committed golden's inputs, moe_experts/T2-E4-k4-Dl64-I32, changed by 1 ulp).
+    Decimal arithmetic is software, here in a context of its own (28 digits, whatever the caller's), and the
+    conversion to float rounds to nearest."""
+    u = np.asarray(u, np.float64)
+    with decimal.localcontext(decimal.Context(prec=28, rounding=decimal.ROUND_HALF_EVEN)):
+        powers = [float(decimal.Decimal(10) ** decimal.Decimal(v)) for v in u.ravel().tolist()]
+    return np.array(powers, np.float64).reshape(u.shape)
+
+
 def activations(rng: np.random.Generator, shape: tuple, key: str) -> np.ndarray:
     """Gaussian activations at MEASURED[key]: RMS `scale`, rows (last axis) scaled over a range of 10^spread, one
     entry per row at the outlier ratio times the row's RMS (sign random)."""
     m = MEASURED[key]
     shape = tuple(shape)
     rows = shape[:-1] + (1,)
-    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-m["spread"] / 2, m["spread"] / 2, rows)
+    x = rng.standard_normal(shape) * ten_to(rng.uniform(-m["spread"] / 2, m["spread"] / 2, rows))
     x *= m["scale"] / np.sqrt(np.mean(x * x))     # the tensor's RMS is the measured scale, its rows spread around it
     if shape[-1] > 1:
         flat = x.reshape(-1, shape[-1])

@@ -5,6 +5,9 @@ bf16 rounding with margins of the size a real router has. The inputs are drawn b
 decode's history is cut to 4 steps here: it only builds the state, the token is drawn the same way)."""
 from __future__ import annotations
 
+import decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -116,3 +119,19 @@ def test_router_margins_are_real_and_survive_bf16(drawn, case):
     assert not np.array_equal(sigmoid_topk(logits, bias, **kw)[1], sigmoid_topk(logits, 0 * bias, **kw)[1])
     b = mag.MEASURED["router.bias"]["scale"]
     assert 0.5 * b < float(np.std(bias)) < 2.0 * b
+
+
+def test_ten_to_is_the_correctly_rounded_power_of_ten():
+    """The goldens' row scales: no machine-dependent pow (NumPy's SIMD pow on an AVX-512 CPU moved one committed
+    golden's inputs by an ulp). Checked against exact rational arithmetic where the answer is known exactly, and
+    within an ulp of NumPy's elsewhere."""
+    exact = np.array([-3.0, -1.0, 0.0, 1.0, 2.0, 22.0])
+    got = mag.ten_to(exact)
+    assert got.tolist() == [float(Fraction(10) ** int(e)) for e in exact]        # 10^-1 -> the nearest double
+    u = np.random.default_rng(0).uniform(-1, 1, (50, 3))
+    got = mag.ten_to(u)
+    assert got.shape == u.shape and got.dtype == np.float64
+    assert np.all(np.abs(got - 10.0 ** u) <= np.spacing(got))
+    with decimal.localcontext(prec=60):                                      # the same power to 60 digits
+        want = [float(decimal.Decimal(10) ** decimal.Decimal(v)) for v in u.ravel().tolist()]
+    assert got.ravel().tolist() == want
