@@ -5,96 +5,149 @@ The readable statement is `k3ref.ops.linear` (x @ w.astype(x.dtype).T); `linear`
 default for a bf16 weight (`k3ref.fast.enabled()`; K3_FAST=numpy keeps the cast and BLAS). Each kernel compiles on
 its first call per type signature and is cached on disk (`cache=True`).
 
-A bf16 value is the top half of a float32, so each weight row is widened exactly (bits << 16) into a float32
-buffer that stays in L1, then multiplied in x's dtype. Order of every sum (part of the result; no fastmath, so
-LLVM neither fuses multiply-adds nor reorders sums): sixteen partial sums, a_j over the elements k = j mod 16 in
-order, then a_0 + a_1 + ... + a_15 left to right (`_row_dot`); the row is padded with zeros to a multiple of 16
-(adding 0 x 0 leaves a partial sum as it is). `prange` splits only independent output rows between threads, so
-the bits depend on neither the vector width nor the thread count. `lane_order_reference` states the same order
-in NumPy for the tests.
+A bf16 value is the top half of a float32, so each weight is widened exactly (bits << 16), then multiplied in x's
+dtype. Order of every sum (part of the result; no fastmath, so LLVM neither fuses multiply-adds nor reorders sums):
+sixteen partial sums, a_j over the elements k = j mod 16 in order, then a_0 + a_1 + ... + a_15 left to right; x is
+padded with zeros to a multiple of 16 and the weight's missing tail reads as +0 (adding 0 x 0 leaves a partial
+sum as it is). `lane_order_reference` states the same order in NumPy.
+
+The kernel (`_tile`, written in LLVM IR on explicit 16-lane vectors) computes a tile of ROWS weight rows against
+up to four rows of x at once: each weight chunk is widened once for every token of the tile and each chunk of x
+serves ROWS rows, which is what keeps a 16-token prefill from re-reading x from L2 for every weight row. The
+tiling changes which products are computed together, never the order in which one dot product adds them, and
+`prange` splits only independent row blocks between threads: the bits depend neither on the tile sizes, the
+vector width nor the thread count.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from . import forked_after_numba
 
 LANES = 16          # partial sums per dot product (fixed: it defines the summation order)
-ROW_BLOCK = 16      # output rows per parallel work item (speed only: amortises the item's scratch allocations)
+ROWS = 4            # weight rows per tile (speed only)
+TOKENS = {np.dtype(np.float32): 4, np.dtype(np.float64): 3}   # rows of x per tile at most (speed only: ROWS x
+                    # TOKENS accumulators of 16 lanes fill 16 or 24 of AVX-512's 32 vector registers)
+ROW_BLOCK = 16      # weight rows per parallel work item, a multiple of ROWS (speed only)
 THREADS_MIN_BYTES = 2 << 20   # weight bytes from which a call runs on numba's threads (speed only: a smaller one
                               # costs less than waking the threads on a busy machine)
 
+_I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
-@contextlib.contextmanager
-def superword_vectorizer():
-    """Compile inside this block with LLVM's SLP vectoriser on: it packs the sixteen written-out partial sums
-    into vector registers (8x faster here). numba leaves it off by default after an LLVM miscompilation
-    (numba issue 8705); tests/k3ref/test_fast_jit_moe.py checks these kernels bit for bit against the order
-    stated in NumPy, which a miscompiled kernel would fail. numba reads the flag whenever it compiles, so
-    this only affects what compiles inside the block (a function's first call per type signature)."""
-    before = numba.config.SLP_VECTORIZE
-    numba.config.SLP_VECTORIZE = 1
-    try:
-        yield
-    finally:
-        numba.config.SLP_VECTORIZE = before
+
+def _vector(element) -> ir.VectorType:
+    return ir.VectorType(element, LANES)
+
+
+def _widened(builder, bits, wide):
+    """bf16 bits <16 x i16> -> the weights as floats of `wide` (exact: bits << 16 is the float32)."""
+    f = builder.bitcast(builder.shl(builder.zext(bits, _vector(_I32)), ir.Constant(_vector(_I32), [16] * LANES)),
+                        _vector(_F32))
+    return f if wide.element == _F32 else builder.fpext(f, wide)
+
+
+def _tail_bits(builder, row, start, K):
+    """The weight row's last K - start (< LANES) elements from `start`, the other lanes +0: loaded one by one at
+    indices clamped into the row, so nothing past it is read."""
+    bits = ir.Constant(_vector(_I16), [0] * LANES)
+    last = builder.sub(K, ir.Constant(_I64, 1))
+    for k in range(LANES):
+        at = builder.add(start, ir.Constant(_I64, k))
+        inside = builder.icmp_signed("<", at, K)
+        value = builder.load(builder.gep(row, [builder.select(inside, at, last)]))
+        bits = builder.insert_element(bits, builder.select(inside, value, ir.Constant(_I16, 0)), ir.Constant(_I32, k))
+    return bits
+
+
+def _tile(tokens: int):
+    """The compiled tile of ROWS weight rows from r0 and `tokens` rows of x from t0: out[t, r] = w[r] . x[t].
+    Rows past the weight's last are computed as copies of the last (the same value, written again)."""
+
+    @intrinsic
+    def tile(typingctx, w, x, out, r0, t0):
+        sig = types.void(w, x, out, r0, t0)
+
+        def codegen(context, builder, signature, args):
+            aw, ax, ao = (context.make_array(ty)(context, builder, a)
+                          for ty, a in zip(signature.args[:3], args[:3], strict=True))
+            wide = _vector(context.get_value_type(signature.args[1].dtype))
+            (N, K), K16 = (builder.extract_value(aw.shape, i) for i in (0, 1)), builder.extract_value(ax.shape, 1)
+            rows = [builder.add(args[3], ir.Constant(_I64, i)) for i in range(ROWS)]
+            rows = [builder.select(builder.icmp_signed("<", r, N), r, builder.sub(N, ir.Constant(_I64, 1)))
+                    for r in rows]
+            toks = [builder.add(args[4], ir.Constant(_I64, j)) for j in range(tokens)]
+            w_rows = [builder.gep(aw.data, [builder.mul(r, K)]) for r in rows]
+            x_rows = [builder.gep(ax.data, [builder.mul(t, K16)]) for t in toks]
+            sums = [[cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * LANES)) for _ in toks]
+                    for _ in rows]
+
+            def chunk(start, weights):
+                xs = [builder.load(builder.bitcast(builder.gep(p, [start]), wide.as_pointer()), align=1)
+                      for p in x_rows]
+                for w_i, acc_row in zip(weights, sums, strict=True):
+                    for x_j, acc in zip(xs, acc_row, strict=True):
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w_i, x_j)), acc)
+
+            full = builder.udiv(K, ir.Constant(_I64, LANES))
+            with cgutils.for_range(builder, full) as loop:
+                start = builder.mul(loop.index, ir.Constant(_I64, LANES))
+                chunk(start, [_widened(builder, builder.load(builder.bitcast(builder.gep(p, [start]),
+                                                                              _vector(_I16).as_pointer()), align=1),
+                                       wide) for p in w_rows])
+            start = builder.mul(full, ir.Constant(_I64, LANES))
+            with builder.if_then(builder.icmp_signed("<", start, K), likely=False):
+                chunk(start, [_widened(builder, _tail_bits(builder, p, start, K), wide) for p in w_rows])
+            for r, acc_row in zip(rows, sums, strict=True):
+                for t, acc in zip(toks, acc_row, strict=True):
+                    v = builder.load(acc)
+                    total = builder.extract_element(v, ir.Constant(_I32, 0))
+                    for j in range(1, LANES):                              # a_0 + a_1 + ... + a_15
+                        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, j)))
+                    builder.store(total, builder.gep(ao.data, [builder.add(builder.mul(t, N), r)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_tile1, _tile2, _tile3, _tile4 = (_tile(n) for n in range(1, 5))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _row_dot(w, x):  # pragma: no cover -- compiled; tested through linear_bf16
-    """w, x [K16] (K16 a multiple of 16) -> the sum of w x in the order the module docstring states."""
-    z = x.dtype.type(0)
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = z
-    a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = z
-    for k in range(0, x.shape[0], LANES):
-        wk, xk = w[k:k + LANES], x[k:k + LANES]     # constant indices below: no negative-index fix-ups,
-        a0 += wk[0] * xk[0]                         # so LLVM packs the sums into vector lanes
-        a1 += wk[1] * xk[1]
-        a2 += wk[2] * xk[2]
-        a3 += wk[3] * xk[3]
-        a4 += wk[4] * xk[4]
-        a5 += wk[5] * xk[5]
-        a6 += wk[6] * xk[6]
-        a7 += wk[7] * xk[7]
-        a8 += wk[8] * xk[8]
-        a9 += wk[9] * xk[9]
-        a10 += wk[10] * xk[10]
-        a11 += wk[11] * xk[11]
-        a12 += wk[12] * xk[12]
-        a13 += wk[13] * xk[13]
-        a14 += wk[14] * xk[14]
-        a15 += wk[15] * xk[15]
-    return (a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11 + a12 + a13 + a14 + a15)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _gemv_item(item, w, x, out):  # pragma: no cover -- compiled; see linear_bf16
-    """One work item: output rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x."""
-    N, K = w.shape
-    bits = np.zeros(x.shape[1], np.int32)                          # the padding stays 0 (= +0.0)
-    wf = bits.view(np.float32)
-    r0 = item * ROW_BLOCK
-    for r in range(r0, min(r0 + ROW_BLOCK, N)):
-        row = w[r]
-        for k in range(K):
-            bits[k] = np.int32(row[k]) << np.int32(16)
-        for t in range(x.shape[0]):
-            out[t, r] = _row_dot(wf, x[t])
+def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see linear_bf16
+    """One work item: weight rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x, in tiles of ROWS
+    weight rows and at most `most` rows of x."""
+    M = x.shape[0]
+    for r0 in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0]), ROWS):
+        t0 = 0
+        while t0 < M:
+            n = min(most, M - t0)
+            if n == 4:
+                _tile4(w, x, out, r0, t0)
+            elif n == 3:
+                _tile3(w, x, out, r0, t0)
+            elif n == 2:
+                _tile2(w, x, out, r0, t0)
+            else:
+                _tile1(w, x, out, r0, t0)
+            t0 += n
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
-def _bf16_gemv_threads(w, x, out):  # pragma: no cover -- compiled; see linear_bf16
+def _bf16_gemv_threads(w, x, out, most):  # pragma: no cover -- compiled; see linear_bf16
     for item in numba.prange((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):   # independent row blocks
-        _gemv_item(item, w, x, out)
+        _gemv_item(item, w, x, out, most)
 
 
 @numba.njit(cache=True, nogil=True)
-def _bf16_gemv_one(w, x, out):  # pragma: no cover -- compiled; see linear_bf16
+def _bf16_gemv_one(w, x, out, most):  # pragma: no cover -- compiled; see linear_bf16
     for item in range((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _gemv_item(item, w, x, out)
+        _gemv_item(item, w, x, out, most)
 
 
 def padded_inputs(x: np.ndarray) -> np.ndarray:
@@ -121,8 +174,7 @@ def linear_bf16(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if M and N:
         threaded = w.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
         kernel = _bf16_gemv_threads if threaded else _bf16_gemv_one
-        with superword_vectorizer():
-            kernel(bf16_bits(w), padded_inputs(x), out)
+        kernel(bf16_bits(w), padded_inputs(x), out, TOKENS[x.dtype])
     return out
 
 

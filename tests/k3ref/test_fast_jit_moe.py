@@ -193,15 +193,23 @@ def test_bf16_linear_equals_the_cast_product(bf16_weight, dtype, T):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_bf16_kernel_sums_in_the_stated_order_and_propagates_nan(dtype):
-    rng = np.random.default_rng(4)
-    w = rng.standard_normal((21, 45)).astype(ml_dtypes.bfloat16)     # K = 45: padded lanes
-    w[3, 7] = np.nan
-    x = rng.standard_normal((2, 45)).astype(dtype)
+@pytest.mark.parametrize(("M", "N", "K"), [(2, 21, 45), (1, 4, 16), (3, 5, 32), (5, 9, 33), (16, 23, 64),
+                                           (17, 6, 47), (4, 3, 15)])
+def test_bf16_kernel_sums_in_the_stated_order_and_propagates_nan(dtype, M, N, K):
+    """Tiles of 4 weight rows and up to 4 (float32) or 3 (float64) rows of x: every remainder of N and M, K with
+    and without a ragged tail (read element by element, never past the row), NaN, and a row of -0 products."""
+    rng = np.random.default_rng(4 + M + N + K)
+    w = rng.standard_normal((N, K)).astype(ml_dtypes.bfloat16)
+    w[N - 1, K // 2] = np.nan
+    w[0] = -0.0 if N > 1 else w[0]                                      # row 0: every product -0 or +0
+    x = rng.standard_normal((M, K)).astype(dtype)
+    x[0] = np.abs(x[0])                                                  # token 0 x row 0: all -0 products
     got = gemv_jit.linear_bf16(x, w)
-    assert np.array_equal(got, gemv_jit.lane_order_reference(w, x), equal_nan=True)
+    want = gemv_jit.lane_order_reference(w, x)
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))     # bit for bit: NaN payloads and -0 too
     assert np.array_equal(gemv_jit.linear_bf16(x, w.view(np.uint16)), got, equal_nan=True)   # uint16 bits too
-    assert np.isnan(got[:, 3]).all() and np.isfinite(np.delete(got, 3, axis=1)).all()
+    assert np.isnan(got[:, N - 1]).all() and np.isfinite(got[:, :N - 1]).all()
 
 
 def test_bf16_linear_same_bits_on_one_and_two_threads(bf16_weight):
