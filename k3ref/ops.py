@@ -59,16 +59,16 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
     x: [..., in]; w: [out, in] -> [..., out], computed in x's dtype.
     A bf16 w (as `k3ref.cpu_weights.ModuleView` hands out a large checkpoint matrix) times a few rows of x runs
-    the compiled GEMV by default (`k3ref.fast.gemv_jit.linear_bf16`: w read once, no float copy of it, the same
-    bits on any thread count); K3_FAST=numpy, or more than BF16_JIT_MAX_ROWS rows (a prefill, where BLAS's
-    GEMM wins), casts w and multiplies.
+    the compiled GEMV by default (`k3ref.fast.gemv_jit.linear_jit`: w read once, no float copy of it, the same
+    bits on any machine and thread count); K3_FAST=numpy, or more than BF16_JIT_MAX_ROWS rows (a prefill, where
+    BLAS's GEMM wins), casts w and multiplies. A float32 / float64 w stays on BLAS: the float32 baseline's error,
+    which some gates scale with, moves when its sums do.
     """
     x = as_float("x", x)
     w = np.asarray(w)
     check_shape("w", w, (None, x.shape[-1]))
     rows = x.size // max(x.shape[-1], 1)
-    if (w.dtype.kind == "V" and w.dtype.name == "bfloat16" and w.ndim == 2 and rows <= BF16_JIT_MAX_ROWS
-            and fast.enabled()):                                  # kind first: dtype.name costs ~3 us
-        y = gemv_jit.linear_bf16(x.reshape(rows, x.shape[-1]), w)
+    if gemv_jit.is_bf16(w) and w.ndim == 2 and rows <= BF16_JIT_MAX_ROWS and fast.enabled():
+        y = gemv_jit.linear_jit(x.reshape(rows, x.shape[-1]), w)
         return y.reshape(x.shape[:-1] + (w.shape[0],))
     return x @ w.astype(x.dtype, copy=False).T

@@ -1,15 +1,18 @@
-"""bf16 weight times float activations compiled with numba: y = x @ W.astype(x.dtype).T for a weight stored as
-bf16 (ml_dtypes.bfloat16 or its uint16 bits, as the checkpoint reader hands it out), without a float copy of W.
+"""A weight times a few rows of float activations compiled with numba: y = x @ W.astype(x.dtype).T for a weight
+stored as bf16 (ml_dtypes.bfloat16 or its uint16 bits, as the checkpoint reader hands it out), float32 or float64,
+without a float copy of W and without BLAS (whose sums depend on the CPU and its thread count).
 
-The readable statement is `k3ref.ops.linear` (x @ w.astype(x.dtype).T); `linear` calls `linear_bf16` here by
-default for a bf16 weight (`k3ref.fast.enabled()`; K3_FAST=numpy keeps the cast and BLAS). Each kernel compiles on
-its first call per type signature and is cached on disk (`cache=True`).
+The readable statement is `k3ref.ops.linear` (x @ w.astype(x.dtype).T); `linear` calls `linear_jit` here by
+default for a bf16 weight and up to `k3ref.ops.BF16_JIT_MAX_ROWS` rows of x (`k3ref.fast.enabled()`; K3_FAST=numpy
+keeps the cast and BLAS). float32 and float64 weights are taken too, for a caller that wants no BLAS. Each kernel
+compiles on its first call per type signature and is cached on disk (`cache=True`).
 
-A bf16 value is the top half of a float32, so each weight is widened exactly (bits << 16), then multiplied in x's
-dtype. Order of every sum (part of the result; no fastmath, so LLVM neither fuses multiply-adds nor reorders sums):
-sixteen partial sums, a_j over the elements k = j mod 16 in order, then a_0 + a_1 + ... + a_15 left to right; x is
-padded with zeros to a multiple of 16 and the weight's missing tail reads as +0 (adding 0 x 0 leaves a partial
-sum as it is). `lane_order_reference` states the same order in NumPy.
+Each weight is converted as astype does (a bf16 value is the top half of a float32: bits << 16, exact; float32 to
+float64 exact; float64 to float32 rounded), then multiplied in x's dtype. Order of every sum (part of the result;
+no fastmath, so LLVM neither fuses multiply-adds nor reorders sums): sixteen partial sums, a_j over the elements
+k = j mod 16 in order, then a_0 + a_1 + ... + a_15 left to right; x is padded with zeros to a multiple of 16 and
+the weight's missing tail reads as +0 (adding 0 x 0 leaves a partial sum as it is). `lane_order_reference` states
+the same order in NumPy.
 
 The kernel (`_tile`, written in LLVM IR on explicit 16-lane vectors) computes a tile of ROWS weight rows against
 up to four rows of x at once: each weight chunk is widened once for every token of the tile and each chunk of x
@@ -43,24 +46,31 @@ def _vector(element) -> ir.VectorType:
     return ir.VectorType(element, LANES)
 
 
-def _widened(builder, bits, wide):
-    """bf16 bits <16 x i16> -> the weights as floats of `wide` (exact: bits << 16 is the float32)."""
-    f = builder.bitcast(builder.shl(builder.zext(bits, _vector(_I32)), ir.Constant(_vector(_I32), [16] * LANES)),
-                        _vector(_F32))
-    return f if wide.element == _F32 else builder.fpext(f, wide)
+def _widened(builder, stored, wide):
+    """A chunk of weights as stored (<16 x i16> bf16 bits, or float32 / float64) -> floats of `wide`, as
+    `w.astype(x.dtype)` converts them (bf16: bits << 16 is the float32, exact; float64 to float32: rounded)."""
+    if stored.type.element == _I16:
+        stored = builder.bitcast(builder.shl(builder.zext(stored, _vector(_I32)),
+                                             ir.Constant(_vector(_I32), [16] * LANES)), _vector(_F32))
+    if stored.type == wide:
+        return stored
+    if isinstance(stored.type.element, ir.FloatType):                      # float32 -> float64: exact
+        return builder.fpext(stored, wide)
+    return builder.fptrunc(stored, wide)
 
 
-def _tail_bits(builder, row, start, K):
-    """The weight row's last K - start (< LANES) elements from `start`, the other lanes +0: loaded one by one at
-    indices clamped into the row, so nothing past it is read."""
-    bits = ir.Constant(_vector(_I16), [0] * LANES)
+def _tail(builder, row, start, K, element):
+    """The weight row's last K - start (< LANES) stored elements from `start`, the other lanes zero: loaded one by
+    one at indices clamped into the row, so nothing past it is read."""
+    zero = ir.Constant(element, 0)
+    chunk = ir.Constant(_vector(element), [0] * LANES)
     last = builder.sub(K, ir.Constant(_I64, 1))
     for k in range(LANES):
         at = builder.add(start, ir.Constant(_I64, k))
         inside = builder.icmp_signed("<", at, K)
         value = builder.load(builder.gep(row, [builder.select(inside, at, last)]))
-        bits = builder.insert_element(bits, builder.select(inside, value, ir.Constant(_I16, 0)), ir.Constant(_I32, k))
-    return bits
+        chunk = builder.insert_element(chunk, builder.select(inside, value, zero), ir.Constant(_I32, k))
+    return chunk
 
 
 def _tile(tokens: int):
@@ -75,6 +85,7 @@ def _tile(tokens: int):
             aw, ax, ao = (context.make_array(ty)(context, builder, a)
                           for ty, a in zip(signature.args[:3], args[:3], strict=True))
             wide = _vector(context.get_value_type(signature.args[1].dtype))
+            stored = context.get_value_type(signature.args[0].dtype)              # i16 (bf16 bits) or a float
             (N, K), K16 = (builder.extract_value(aw.shape, i) for i in (0, 1)), builder.extract_value(ax.shape, 1)
             rows = [builder.add(args[3], ir.Constant(_I64, i)) for i in range(ROWS)]
             rows = [builder.select(builder.icmp_signed("<", r, N), r, builder.sub(N, ir.Constant(_I64, 1)))
@@ -96,11 +107,11 @@ def _tile(tokens: int):
             with cgutils.for_range(builder, full) as loop:
                 start = builder.mul(loop.index, ir.Constant(_I64, LANES))
                 chunk(start, [_widened(builder, builder.load(builder.bitcast(builder.gep(p, [start]),
-                                                                              _vector(_I16).as_pointer()), align=1),
+                                                                              _vector(stored).as_pointer()), align=1),
                                        wide) for p in w_rows])
             start = builder.mul(full, ir.Constant(_I64, LANES))
             with builder.if_then(builder.icmp_signed("<", start, K), likely=False):
-                chunk(start, [_widened(builder, _tail_bits(builder, p, start, K), wide) for p in w_rows])
+                chunk(start, [_widened(builder, _tail(builder, p, start, K, stored), wide) for p in w_rows])
             for r, acc_row in zip(rows, sums, strict=True):
                 for t, acc in zip(toks, acc_row, strict=True):
                     v = builder.load(acc)
@@ -119,7 +130,7 @@ _tile1, _tile2, _tile3, _tile4 = (_tile(n) for n in range(1, 5))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see linear_bf16
+def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
     """One work item: weight rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x, in tiles of ROWS
     weight rows and at most `most` rows of x."""
     M = x.shape[0]
@@ -139,13 +150,13 @@ def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see line
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
-def _bf16_gemv_threads(w, x, out, most):  # pragma: no cover -- compiled; see linear_bf16
+def _gemv_threads(w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
     for item in numba.prange((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):   # independent row blocks
         _gemv_item(item, w, x, out, most)
 
 
 @numba.njit(cache=True, nogil=True)
-def _bf16_gemv_one(w, x, out, most):  # pragma: no cover -- compiled; see linear_bf16
+def _gemv_one(w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
     for item in range((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
         _gemv_item(item, w, x, out, most)
 
@@ -161,27 +172,39 @@ def padded_inputs(x: np.ndarray) -> np.ndarray:
     return xp
 
 
-def bf16_bits(w: np.ndarray) -> np.ndarray:
-    """A bf16 weight (ml_dtypes.bfloat16 or uint16) as its uint16 bits, a view (no copy) where w is C-contiguous."""
-    return np.ascontiguousarray(w).view(np.uint16)
+def is_bf16(w: np.ndarray) -> bool:
+    """True for an ml_dtypes.bfloat16 array (dtype kind first: dtype.name costs ~3 us)."""
+    return w.dtype.kind == "V" and w.dtype.name == "bfloat16"
 
 
-def linear_bf16(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """y = x @ w.astype(x.dtype).T: x float32/float64 [M, K], w bf16 [N, K] (ml_dtypes.bfloat16 or its uint16
-    bits), checked by the caller -> y [M, N] in x's dtype. Reads w once; no float copy of it is made."""
+def weight_operand(w: np.ndarray) -> np.ndarray:
+    """The weight as the kernel reads it, C-contiguous: a bf16 one (ml_dtypes.bfloat16 or uint16) as its uint16
+    bits, a float32 / float64 one as it is (a view, no copy, where w is C-contiguous)."""
+    w = np.ascontiguousarray(w)
+    return w.view(np.uint16) if is_bf16(w) else w
+
+
+def linear_jit(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y = x @ w.astype(x.dtype).T: x float32/float64 [M, K], w [N, K] bf16 (ml_dtypes.bfloat16 or its uint16
+    bits), float32 or float64, checked by the caller -> y [M, N] in x's dtype. Reads w once and makes no float
+    copy of it; no BLAS, so the bits are the same on every machine."""
     M, N = x.shape[0], w.shape[0]
     out = np.empty((M, N), x.dtype)
     if M and N:
         threaded = w.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
-        kernel = _bf16_gemv_threads if threaded else _bf16_gemv_one
-        kernel(bf16_bits(w), padded_inputs(x), out, TOKENS[x.dtype])
+        kernel = _gemv_threads if threaded else _gemv_one
+        kernel(weight_operand(w), padded_inputs(x), out, TOKENS[x.dtype])
     return out
 
 
+
 def lane_order_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The kernel's sums written in NumPy, for the tests: w bf16 [N, K], x [M, K] -> y [M, N], every product and
-    addition in the order the module docstring states. Slow; the kernel must give the same bits."""
-    W = padded_inputs(np.asarray(w).astype(np.float32).astype(x.dtype))
+    """The kernel's sums written in NumPy, for the tests: w [N, K] (bf16, float32 or float64), x [M, K] -> y [M, N],
+    every product and addition in the order the module docstring states. Slow; the kernel must give the same bits."""
+    w = np.asarray(w)
+    if is_bf16(w) or w.dtype == np.uint16:
+        w = (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    W = padded_inputs(w.astype(x.dtype))
     xp = padded_inputs(x)
     acc = np.zeros((x.shape[0], W.shape[0], LANES), x.dtype)
     for k in range(0, xp.shape[1], LANES):

@@ -193,23 +193,28 @@ def test_bf16_linear_equals_the_cast_product(bf16_weight, dtype, T):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("wtype", [ml_dtypes.bfloat16, np.float32, np.float64])
 @pytest.mark.parametrize(("M", "N", "K"), [(2, 21, 45), (1, 4, 16), (3, 5, 32), (5, 9, 33), (16, 23, 64),
                                            (17, 6, 47), (4, 3, 15)])
-def test_bf16_kernel_sums_in_the_stated_order_and_propagates_nan(dtype, M, N, K):
+def test_gemv_kernel_sums_in_the_stated_order_and_propagates_nan(dtype, wtype, M, N, K):
     """Tiles of 4 weight rows and up to 4 (float32) or 3 (float64) rows of x: every remainder of N and M, K with
-    and without a ragged tail (read element by element, never past the row), NaN, and a row of -0 products."""
+    and without a ragged tail (read element by element, never past the row), NaN, and a row of -0 products; bf16,
+    float32 and float64 weights (a float64 weight against float32 x is rounded first, as astype does)."""
     rng = np.random.default_rng(4 + M + N + K)
-    w = rng.standard_normal((N, K)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((N, K)).astype(wtype)
     w[N - 1, K // 2] = np.nan
     w[0] = -0.0 if N > 1 else w[0]                                      # row 0: every product -0 or +0
     x = rng.standard_normal((M, K)).astype(dtype)
     x[0] = np.abs(x[0])                                                  # token 0 x row 0: all -0 products
-    got = gemv_jit.linear_bf16(x, w)
+    got = gemv_jit.linear_jit(x, w)
     want = gemv_jit.lane_order_reference(w, x)
     assert got.shape == (M, N) and got.dtype == dtype
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))     # bit for bit: NaN payloads and -0 too
-    assert np.array_equal(gemv_jit.linear_bf16(x, w.view(np.uint16)), got, equal_nan=True)   # uint16 bits too
+    if wtype is ml_dtypes.bfloat16:
+        assert np.array_equal(gemv_jit.linear_jit(x, w.view(np.uint16)), got, equal_nan=True)   # uint16 bits too
     assert np.isnan(got[:, N - 1]).all() and np.isfinite(got[:, :N - 1]).all()
+    fin = np.isfinite(got)
+    assert rel_rms(got[fin], (x @ w.astype(dtype).T)[fin]) <= GATE[dtype]  # and near BLAS's answer
 
 
 def test_bf16_linear_same_bits_on_one_and_two_threads(bf16_weight):
@@ -262,7 +267,7 @@ def test_threaded_and_single_kernels_give_the_same_bits(monkeypatch):
     for threads_from in (0, 1 << 40):                                # every call threaded, then none
         monkeypatch.setattr(mxfp4_jit, "THREADS_MIN_BYTES", threads_from)
         monkeypatch.setattr(gemv_jit, "THREADS_MIN_BYTES", threads_from)
-        outs.append((mxfp4_jit.gemv(packed, scale, x), gemv_jit.linear_bf16(x, w)))
+        outs.append((mxfp4_jit.gemv(packed, scale, x), gemv_jit.linear_jit(x, w)))
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
 
 
