@@ -13,7 +13,9 @@ checkpoint is still in the page cache after writing it); and `k3ref.greedy.decod
 must cover the measured peak. The checkpoint is deleted at the end unless --keep. Target: the KDA + MoE layer
 under 4 GiB peak anonymous memory. Disk: it checks the space first (synth_checkpoint refuses without room).
 
-`make bench` collects this file too; its pytest entry runs only with K3_BENCH_REAL_LAYER=1 (it writes ~20 GB).
+`make bench` collects this file too: the memory entry runs only with K3_BENCH_REAL_LAYER=1 (it writes ~20 GB), the
+step targets below only with K3_BENCH_REAL_CHECKPOINT=DIR naming a checkpoint of layer 1 that is already there
+(`k3conf synth DIR --config k3 --layers 1`).
 The numbers, with the command and the machine load, are in docs/measurements.md.
 
     python -m benchmarks.bench_real_layer --checkpoint /tmp/k3_l1 --layers 1 --steps
@@ -44,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conformance.judge.speed import SpeedTargetMissed
 from k3ref.config import K3Config
 from k3ref.cores import reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, forward_one_layer, forward_prefill, forward_token
@@ -341,6 +344,35 @@ def main(argv: list[str] | None = None) -> int:
               f"(estimate {r['estimate_gib']}), peak RSS {r['peak_rss_gib']} GiB, experts read "
               f"{r['expert_bytes_touched_gib']} GiB")
     return 0
+
+
+REAL_CHECKPOINT = os.environ.get("K3_BENCH_REAL_CHECKPOINT", "")
+PREFILL_PINNED_MISS = pytest.mark.xfail(
+    raises=SpeedTargetMissed, strict=False,
+    reason="6.8x on a quiet machine of this type (2026-12-04, AVX-512 VM, copy 14.4 GB/s): of the pinned prefill's "
+           "2.24 s, the MXFP4 experts take 1.26 s (3.46 GB, each expert used by about one token: ~5.5 G codes/s in "
+           "float64) and the bf16 GEMM of 16 tokens 0.76 s (13.7 G multiply-adds/s, no FMA); docs/measurements.md")
+
+
+@pytest.fixture(scope="module")
+def real_steps() -> dict[bool, list[dict]]:
+    """{pinned: the rows of `step_child`} for K3 layer 1, float64, from the checkpoint K3_BENCH_REAL_CHECKPOINT."""
+    return {r["pinned"]: r["rows"] for r in run_steps(Path(REAL_CHECKPOINT), 1, "float64", cold=False)}
+
+
+@pytest.mark.skipif(not REAL_CHECKPOINT, reason="needs a real-size checkpoint of K3 layer 1: `k3conf synth DIR "
+                                                "--config k3 --layers 1` (~21 GB), then K3_BENCH_REAL_CHECKPOINT=DIR")
+@pytest.mark.parametrize("step", ["decode", "prefill16"])
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "all-cores"])
+def test_real_layer_step_vs_bytes_floor(real_steps, speed, request, step, pinned):
+    if step == "prefill16" and pinned:
+        request.applymarker(PREFILL_PINNED_MISS)
+    rows = [r for r in real_steps[pinned] if r["step"] == step]
+    best = min(rows, key=lambda r: r["ratio"])                        # decode: the best of DECODE_STEPS steps
+    speed.check(f"K3 layer 1 (KDA + MoE) {step}, float64, warm / bytes floor, {'pinned' if pinned else 'all cores'}",
+                best["ratio"], TARGET_FLOOR_RATIO,
+                f"{best['s']:.3f} s vs {best['floor_s']:.3f} s = {best['dense_mb']:.0f} MB dense + "
+                f"{best['experts_mb']:.0f} MB experts + {best['state_mb']:.0f} MB state")
 
 
 @pytest.mark.skipif(os.environ.get("K3_BENCH_REAL_LAYER") != "1",
