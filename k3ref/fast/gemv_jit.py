@@ -79,6 +79,8 @@ def _tile(tokens: int):
 
     @intrinsic
     def tile(typingctx, w, x, out, r0, t0):
+        if any(a.layout != "C" for a in (w, x, out)):
+            return None                               # the IR walks raw pointers: a strided view fails to type
         sig = types.void(w, x, out, r0, t0)
 
         def codegen(context, builder, signature, args):

@@ -127,6 +127,8 @@ def _row_dot(typingctx, row, srow, tables, xe, xo):
     and odd elements xe, xo [K/2] (float32 or float64), tables = GROUP_TABLES; shapes checked by the caller.
     Emits the group loop in LLVM IR on two explicit vectors of LANES partial sums (a_j, b_j: the module docstring's
     order), then reduces them left to right."""
+    if any(a.layout != "C" for a in (row, srow, tables, xe, xo)):
+        return None                                   # the IR walks raw pointers: a strided view fails to type
     dtype = xe.dtype
     sig = dtype(row, srow, tables, xe, xo)
 

@@ -291,3 +291,23 @@ def test_host_graph_with_bf16_matrices_as_stored_equals_the_cast_path(monkeypatc
     want = run()
     for g, w in zip(got, want, strict=True):
         assert g.dtype == np.float64 and rel_rms(g, w) <= tol("fp64_same_math")
+
+
+def test_kernels_refuse_strided_arrays_at_compile_time():
+    """The IR kernels walk raw pointers, so a strided view must fail to compile rather than read wrong elements
+    (the Python entry points make their operands contiguous first)."""
+    rng = np.random.default_rng(13)
+    packed, scale = _expert_bytes(rng, 8, 128)
+    x = rng.standard_normal((1, 128))
+    xe, xo = mxfp4_jit.split_inputs(x)
+    strided = np.repeat(packed, 2, axis=1)[None, :, ::2]                  # the same bytes, every other one
+    pairs = (np.array([0, 1], np.int64), np.zeros(1, np.int64))
+    out = mxfp4_jit._experts_gemv_one(np.ascontiguousarray(strided), scale[None], mxfp4_jit.GROUP_TABLES, xe, xo,
+                                      *pairs, np.empty((1, 8)))
+    assert out is None                                                    # contiguous: compiles and runs
+    with pytest.raises(numba.core.errors.TypingError):
+        mxfp4_jit._experts_gemv_one(strided, scale[None], mxfp4_jit.GROUP_TABLES, xe, xo, *pairs, np.empty((1, 8)))
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    gemv_jit._gemv_one(np.ascontiguousarray(w[:, ::2]), x[:, :32].copy(), np.empty((1, 8)), 3)
+    with pytest.raises(numba.core.errors.TypingError):
+        gemv_jit._gemv_one(w[:, ::2], x[:, :32].copy(), np.empty((1, 8)), 3)
