@@ -42,16 +42,27 @@ THREADS_MIN_BYTES = 2 << 20   # weight bytes from which a call runs on numba's t
 _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
-def _vector(element) -> ir.VectorType:
+def vector(element) -> ir.VectorType:
+    """The LLVM type of LANES `element`s: the partial sums of one dot product (here and in `mxfp4_jit`)."""
     return ir.VectorType(element, LANES)
+
+
+def fold_lanes(builder, vectors):
+    """lane 0 + lane 1 + ... of the first vector, then of the next, left to right: the final sum of the stated
+    order (here and in `mxfp4_jit`)."""
+    lanes = [builder.extract_element(v, ir.Constant(_I32, j)) for v in vectors for j in range(LANES)]
+    total = lanes[0]
+    for lane in lanes[1:]:
+        total = builder.fadd(total, lane)
+    return total
 
 
 def _widened(builder, stored, wide):
     """A chunk of weights as stored (<16 x i16> bf16 bits, or float32 / float64) -> floats of `wide`, as
     `w.astype(x.dtype)` converts them (bf16: bits << 16 is the float32, exact; float64 to float32: rounded)."""
     if stored.type.element == _I16:
-        stored = builder.bitcast(builder.shl(builder.zext(stored, _vector(_I32)),
-                                             ir.Constant(_vector(_I32), [16] * LANES)), _vector(_F32))
+        stored = builder.bitcast(builder.shl(builder.zext(stored, vector(_I32)),
+                                             ir.Constant(vector(_I32), [16] * LANES)), vector(_F32))
     if stored.type == wide:
         return stored
     if isinstance(stored.type.element, ir.FloatType):                      # float32 -> float64: exact
@@ -63,7 +74,7 @@ def _tail(builder, row, start, K, element):
     """The weight row's last K - start (< LANES) stored elements from `start`, the other lanes zero: loaded one by
     one at indices clamped into the row, so nothing past it is read."""
     zero = ir.Constant(element, 0)
-    chunk = ir.Constant(_vector(element), [0] * LANES)
+    chunk = ir.Constant(vector(element), [0] * LANES)
     last = builder.sub(K, ir.Constant(_I64, 1))
     for k in range(LANES):
         at = builder.add(start, ir.Constant(_I64, k))
@@ -86,7 +97,7 @@ def _tile(tokens: int):
         def codegen(context, builder, signature, args):
             aw, ax, ao = (context.make_array(ty)(context, builder, a)
                           for ty, a in zip(signature.args[:3], args[:3], strict=True))
-            wide = _vector(context.get_value_type(signature.args[1].dtype))
+            wide = vector(context.get_value_type(signature.args[1].dtype))
             stored = context.get_value_type(signature.args[0].dtype)              # i16 (bf16 bits) or a float
             (N, K), K16 = (builder.extract_value(aw.shape, i) for i in (0, 1)), builder.extract_value(ax.shape, 1)
             rows = [builder.add(args[3], ir.Constant(_I64, i)) for i in range(ROWS)]
@@ -109,17 +120,14 @@ def _tile(tokens: int):
             with cgutils.for_range(builder, full) as loop:
                 start = builder.mul(loop.index, ir.Constant(_I64, LANES))
                 chunk(start, [_widened(builder, builder.load(builder.bitcast(builder.gep(p, [start]),
-                                                                              _vector(stored).as_pointer()), align=1),
+                                                                              vector(stored).as_pointer()), align=1),
                                        wide) for p in w_rows])
             start = builder.mul(full, ir.Constant(_I64, LANES))
             with builder.if_then(builder.icmp_signed("<", start, K), likely=False):
                 chunk(start, [_widened(builder, _tail(builder, p, start, K, stored), wide) for p in w_rows])
             for r, acc_row in zip(rows, sums, strict=True):
                 for t, acc in zip(toks, acc_row, strict=True):
-                    v = builder.load(acc)
-                    total = builder.extract_element(v, ir.Constant(_I32, 0))
-                    for j in range(1, LANES):                              # a_0 + a_1 + ... + a_15
-                        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, j)))
+                    total = fold_lanes(builder, [builder.load(acc)])          # a_0 + a_1 + ... + a_15
                     builder.store(total, builder.gep(ao.data, [builder.add(builder.mul(t, N), r)]))
             return context.get_dummy_value()
 

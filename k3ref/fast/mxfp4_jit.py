@@ -32,8 +32,10 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import forked_after_numba
+from .gemv_jit import LANES, fold_lanes, vector
 
-LANES = 16          # partial sums per nibble parity (fixed: it defines the summation order); 16 bytes = one group
+# LANES (16) is also the partial sums per nibble parity here: one group of 16 bytes adds once to each lane.
+
 ROW_BLOCK = 16      # output rows per parallel work item (speed only)
 THREADS_MIN_BYTES = 2 << 20   # packed bytes from which a call runs on numba's threads (speed only: a smaller one,
                               # `small`'s 256 KB of experts, costs less than waking the threads on a busy machine)
@@ -70,14 +72,10 @@ def _target_has(feature: str) -> bool:
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
-def _vector(element, n: int = LANES) -> ir.VectorType:
-    return ir.VectorType(element, n)
-
-
 def _lookup(builder, table, index):
     """out[k] = table[index[k]] for k < LANES: written as element moves, which LLVM's x86 back end lowers to one
     variable permute (vpermd) and any other back end to what it has."""
-    out = ir.Constant(_vector(table.type.element), ir.Undefined)
+    out = ir.Constant(vector(table.type.element), ir.Undefined)
     for k in range(LANES):
         i = builder.extract_element(index, ir.Constant(_I32, k))
         out = builder.insert_element(out, builder.extract_element(table, i), ir.Constant(_I32, k))
@@ -94,16 +92,16 @@ def _group_weights(builder, table, packed16, permute: bool, opaque: bool):
     `dequantize` does). With `opaque`, each looked-up vector passes through an empty inline-asm statement:
     without it, widening to float64 makes LLVM split the lookup in halves and lower one as scalar moves."""
     def splat(value, element):
-        v = builder.insert_element(ir.Constant(_vector(element), ir.Undefined), value, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(_vector(_I32), [0] * LANES))
+        v = builder.insert_element(ir.Constant(vector(element), ir.Undefined), value, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(vector(_I32), [0] * LANES))
 
     def ints(v: int):
-        return ir.Constant(_vector(_I32), [v] * LANES)
+        return ir.Constant(vector(_I32), [v] * LANES)
 
     def field(mask: int, shift: int):
         return builder.shl(builder.and_(codes, ints(mask)), ints(shift))
 
-    codes = builder.zext(packed16, _vector(_I32))
+    codes = builder.zext(packed16, vector(_I32))
     if permute:
         weights = [_lookup(builder, table, builder.and_(codes, ints(15))),
                    _lookup(builder, table, builder.lshr(codes, ints(4)))]
@@ -114,7 +112,7 @@ def _group_weights(builder, table, packed16, permute: bool, opaque: bool):
     scale = splat(builder.extract_element(table, ir.Constant(_I32, 2)), _F32)
     low = builder.or_(field(0x07, 22), field(0x08, 28))          # magnitude e m -> e << 23 | m << 22, sign -> 31
     high = builder.or_(field(0x70, 18), field(0x80, 24))
-    return [builder.fmul(builder.fmul(builder.bitcast(bits, _vector(_F32)), two_126), scale) for bits in (low, high)]
+    return [builder.fmul(builder.fmul(builder.bitcast(bits, vector(_F32)), two_126), scale) for bits in (low, high)]
 
 
 _PERMUTE = _target_has("avx2")
@@ -136,27 +134,23 @@ def _row_dot(typingctx, row, srow, tables, xe, xo):
         arrays = [context.make_array(ty)(context, builder, a) for ty, a in zip(signature.args, args, strict=True)]
         p_row, p_scale, p_tables, p_even, p_odd = (a.data for a in arrays)
         groups = builder.extract_value(arrays[1].shape, 0)
-        wide = _vector(context.get_value_type(dtype))
+        wide = vector(context.get_value_type(dtype))
         sums = [cgutils.alloca_once_value(builder, ir.Constant(wide, [0.0] * LANES)) for _ in range(2)]
         opaque = _OPAQUE and dtype != types.float32
         with cgutils.for_range(builder, groups) as loop:
             g = loop.index
             s = builder.zext(builder.load(builder.gep(p_scale, [g])), _I64)
             table_at = builder.gep(p_tables, [builder.mul(s, ir.Constant(_I64, LANES))])
-            table = builder.load(builder.bitcast(table_at, _vector(_F32).as_pointer()), align=4)
+            table = builder.load(builder.bitcast(table_at, vector(_F32).as_pointer()), align=4)
             start = builder.mul(g, ir.Constant(g.type, LANES))
-            bytes16 = builder.load(builder.bitcast(builder.gep(p_row, [start]), _vector(_I8).as_pointer()), align=1)
+            bytes16 = builder.load(builder.bitcast(builder.gep(p_row, [start]), vector(_I8).as_pointer()), align=1)
             weights = _group_weights(builder, table, bytes16, _PERMUTE, opaque)
             for w, p_x, acc in zip(weights, (p_even, p_odd), sums, strict=True):
                 x = builder.load(builder.bitcast(builder.gep(p_x, [start]), wide.as_pointer()), align=1)
                 if dtype != types.float32:
                     w = builder.fpext(w, wide)
                 builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
-        lanes = [builder.extract_element(builder.load(acc), ir.Constant(_I32, j)) for acc in sums for j in range(LANES)]
-        total = lanes[0]
-        for lane in lanes[1:]:
-            total = builder.fadd(total, lane)
-        return total
+        return fold_lanes(builder, [builder.load(acc) for acc in sums])   # a_0 + ... + a_15 + b_0 + ... + b_15
 
     return sig, codegen
 
