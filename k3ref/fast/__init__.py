@@ -39,11 +39,23 @@ def enabled() -> bool:
 # numba's OpenMP threading layer kills a process forked after it started, on the child's first parallel region
 # (SIGTERM: "fork() called from a process already using GNU OpenMP"), and the conformance runner forks its CPU
 # workers. A compiled fast path asks `forked_after_numba()` and runs serial code in such a child.
+# torch shares that libgomp: once numba's OpenMP pool ran in the parent, torch's first parallel region in the
+# child (a large copy_) waits forever at the team barrier. So such a child also runs torch on one thread.
 _FORK = {"after_numba": False}
+
+
+def _omp_pool_started() -> bool:
+    """True once numba's OpenMP threading layer has started its pool in this process."""
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return bool(parallel is not None and getattr(parallel, "_is_initialized", False)
+                and getattr(parallel, "_threading_layer", None) == "omp")
 
 
 def _mark_fork_child() -> None:
     _FORK["after_numba"] = _FORK["after_numba"] or "numba" in sys.modules
+    torch = sys.modules.get("torch")
+    if torch is not None and _omp_pool_started():
+        torch.set_num_threads(1)
 
 
 os.register_at_fork(after_in_child=_mark_fork_child)

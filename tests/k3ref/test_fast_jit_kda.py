@@ -5,6 +5,8 @@ thread count and any split of the work; K3_FAST=numpy switches to the NumPy form
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -277,3 +279,38 @@ def test_a_process_forked_after_a_parallel_run_computes_the_same_bits(monkeypatc
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status), f"the forked child was killed by signal {os.WTERMSIG(status)}"
     assert os.WEXITSTATUS(status) == 0, f"the forked child's outputs differ (exit {os.WEXITSTATUS(status)})"
+
+
+_TORCH_AFTER_FORK = """
+import os, numba, numpy as np, torch
+import k3ref.fast                                       # registers the fork hook
+@numba.njit(parallel=True)
+def total(a):
+    s = 0.0
+    for i in numba.prange(a.shape[0]):
+        s += a[i]
+    return s
+total(np.ones(100_000))                                 # the parent starts numba's OpenMP pool
+pid = os.fork()
+if pid == 0:
+    a, b = torch.zeros(4_000_000), torch.ones(4_000_000)
+    a.copy_(b)                                          # large enough for torch's own parallel region
+    os._exit(0 if float(a.sum()) == 4_000_000 else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_torch_in_a_child_forked_after_numbas_pool_does_not_hang():
+    """torch and numba's OpenMP layer share libgomp: a worker forked after the parent ran a parallel kernel used to
+    wait forever in torch's first parallel region (seen: a torch backend's worker stopped by the 300 s timeout)."""
+    pytest.importorskip("torch")
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip(f"numba's pool has {numba.config.NUMBA_NUM_THREADS} thread here: no pool to fork after")
+    try:
+        done = subprocess.run([sys.executable, "-c", _TORCH_AFTER_FORK], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "NUMBA_THREADING_LAYER": "omp"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked child hung in torch's parallel region")
+    assert done.returncode == 0, done.stderr[-2000:]
