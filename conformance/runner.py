@@ -297,6 +297,8 @@ class Runner:
         """Each golden output against the backend's, by its gate row (and the baseline's error, below fp64)."""
         kind = kind_of(case)
         base_name, base_errs = self.baseline_errors(case, golden, backend.precision)
+        if base_errs:
+            base_errs = kind.pooled_baseline(case, base_errs)
         relative = backend.precision != "fp64" and not is_baseline   # the baseline is not its own yardstick
         # a case is gated by the caps measured on its own shape set; on a set without them no cap applies
         family = "traces" if case.kind == "trace" else "blocks"

@@ -98,6 +98,10 @@ class CaseKind(Protocol):
     def gate_tensor(self, case: Case, tensor: str) -> str:
         """The name the tensor's gate rows are looked up by."""
 
+    def pooled_baseline(self, case: Case, errs: dict) -> dict:
+        """The baseline's errors per tensor (gates.BaselineError) as the bounds scale with them: `errs` itself,
+        or where one tensor's error is one noisy draw of many alike, the worst of them."""
+
 
 class KindBase:
     """The answers most kinds share: the block is the case's, every core is exercised, every tensor is gated
@@ -119,6 +123,9 @@ class KindBase:
 
     def gate_tensor(self, case: Case, tensor: str) -> str:
         return tensor
+
+    def pooled_baseline(self, case: Case, errs: dict) -> dict:
+        return errs
 
 
 def case_seed(name: str) -> int:

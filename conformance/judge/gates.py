@@ -7,7 +7,9 @@ Accuracy (docs/spec.md section 5.2):
 - fp32 / bf16 rows are baseline-relative, flash-attention's rule, plus an absolute cap:
       err(backend vs fp64) <= k * err(baseline at the same precision vs fp64) + floor   and   err <= cap
   with err = relative RMS error. Baselines: fp32 -> "numpy32", bf16 -> "torch-bf16". When the baseline
-  cannot run here, the cap alone applies and the report says so. The bf16 rows have no floor and k = 2.5, so
+  cannot run here, the cap alone applies and the report says so. In a free-running trace the logits of every
+  step take the baseline's worst error over the run's steps (`TraceKind.pooled_baseline`: one step's error is one
+  draw of compounded rounding noise). The bf16 rows have no floor and k = 2.5, so
   no bf16 bound exceeds 3x what torch-bf16 errs on the same tensor: a bf16 core 1% off fails.
 - No baseline judges itself: the baseline backend of a precision is shown as "baseline" with its error and
   gated by an absolute row of BASELINE_GATES, about 3x the worst error it measured on that (block, tensor),

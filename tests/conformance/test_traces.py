@@ -212,3 +212,18 @@ def test_trace_names_read_back_what_they_write(name, parsed):
 @pytest.mark.parametrize("name", ["y", "layer00.h", "step1.final", "step1.layer02", "route.step1.layer04.margin"])
 def test_other_names_are_not_trace_tensors(name):
     assert TraceName.parse(name) is None and layer_of(name) is None
+
+
+def test_a_free_runs_step_outputs_are_scaled_by_the_baselines_worst_step():
+    """One step's baseline error is one draw of compounded noise: a free run's logits are bounded by the worst the
+    baseline made on them over the steps; per-layer tensors and every layerwise tensor keep their own."""
+    (free,) = select(all_cases("tiny"), ["trace/free-P7-D5"])
+    (layerwise,) = select(all_cases("tiny"), ["trace/layerwise-P7-D5"])
+    errs = {"step0.logits": gates.BaselineError(2e-6, 3e-6), "step1.logits": gates.BaselineError(5e-6, 1e-6),
+            "step2.logits": gates.BaselineError(1e-6, None), "step1.layer02.3_a": gates.BaselineError(7e-6, 9e-6)}
+    pooled = traces.TraceKind().pooled_baseline(free, errs)
+    assert {t: pooled[t].rel_rms for t in errs} == {"step0.logits": 5e-6, "step1.logits": 5e-6, "step2.logits": 5e-6,
+                                                    "step1.layer02.3_a": 7e-6}
+    assert pooled["step0.logits"].worst_err is None                       # not measured at one step: not pooled
+    assert pooled["step1.layer02.3_a"] is errs["step1.layer02.3_a"]
+    assert traces.TraceKind().pooled_baseline(layerwise, errs) is errs
