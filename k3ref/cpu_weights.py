@@ -14,7 +14,7 @@ expert store (`k3ref.expert_backend`, zero-copy memmaps by default), everything 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -156,6 +156,17 @@ class ModuleView(Mapping):
 
     def __contains__(self, name) -> bool:
         return (self._prefix + name) in self._weights
+
+    def memo(self, key, build: Callable[[], object]):
+        """build() kept in the shared cache under this view's prefix and `key` (built once per model: the checked
+        tensors of an expert), or built anew on every call for a view without cache or over a checkpoint (its
+        experts come from the store on every use, which counts them in `bytes_touched`)."""
+        if self._cache is None or isinstance(self._weights, CheckpointWeights):
+            return build()
+        full = (self._prefix, key)
+        if full not in self._cache:
+            self._cache[full] = build()
+        return self._cache[full]
 
     def sub(self, prefix: str) -> ModuleView:
         """A view one level down (e.g. `self_attn.`), sharing the cast cache."""

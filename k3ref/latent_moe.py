@@ -182,17 +182,26 @@ def _tensor(weights: Mapping, name: str, shape: tuple) -> np.ndarray:
     return a
 
 
-def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Expert e's (packed, scale) per projection, shapes and dtypes checked (once per layer call)."""
+def _check_expert(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     Dl, Di = cfg.latent_size, cfg.moe_intermediate_size
     out = {}
     for proj, (rows, cols) in (("w1", (Di, Dl)), ("w3", (Di, Dl)), ("w2", (Dl, Di))):
         packed = _tensor(weights, f"experts.{e}.{proj}.weight_packed", (rows, cols // 2))
         scale = _tensor(weights, f"experts.{e}.{proj}.weight_scale", (rows, cols // 32))
         for name, a in (("weight_packed", packed), ("weight_scale", scale)):
-            require(a.dtype == np.uint8, f"experts.{e}.{proj}.{name}: expected dtype uint8, found {a.dtype}")
+            if a.dtype != np.uint8:                 # not `require`: its message would be formatted on every call
+                raise ValueError(f"experts.{e}.{proj}.{name}: expected dtype uint8, found {a.dtype}")
         out[proj] = (packed, scale)
     return out
+
+
+def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Expert e's (packed, scale) per projection, shapes and dtypes checked: once per model where the weights
+    are a view that keeps its casts (`k3ref.cpu_weights.ModuleView.memo`), else on every layer call."""
+    memo = getattr(weights, "memo", None)
+    if memo is None:
+        return _check_expert(weights, e, cfg)
+    return memo(("expert", e), lambda: _check_expert(weights, e, cfg))
 
 
 def _cores(cores):

@@ -46,11 +46,6 @@ def one_token_experts(tensors: dict[int, ExpertTensors], z: np.ndarray, latent_s
     return {e: (h[j:j + 1] @ W2[j].T).astype(z.dtype, copy=False) for j, e in enumerate(tensors)}
 
 
-STACK_BYTES = 8 << 20   # chosen experts whose packed bytes fit here are stacked into one batch (a copy of the
-                        # bytes, cheaper than a compiled call per expert for `small`'s 100 KB experts); larger
-                        # ones run one call per expert on views of their own bytes (a K3 expert: 17 MB)
-
-
 def expert_pairs(idx: np.ndarray, w: np.ndarray, chosen: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (token, expert) pairs of the experts in `chosen` (ascending), grouped by expert, tokens ascending
     within one: idx int [T, k], w [T, k] -> (starts int64 [len(chosen) + 1], tokens int64 [P], weights [P]).
@@ -70,7 +65,8 @@ def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray,
                      chosen: list[int], glu: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """y_lat = sum_k w_k E_idx_k(z) over the experts in `chosen` (ascending; tensors[j]: checked (packed,
     scale) of chosen[j] per projection), compiled: for every (token, expert) pair, gate and up by
-    `k3ref.fast.mxfp4_jit.experts_gemv` (each expert's bytes read once for all its tokens), glu once over all
+    `k3ref.fast.mxfp4_jit.experts_gemv_at` (one call for every expert, each read where it lies, its bytes once for
+    all its tokens), glu once over all
     pairs (the caller's SiTU-GLU: the nonlinearity stays NumPy's), the down projection likewise, then the pairs
     mixed into y in order (`mix_pairs`). z float [T, Dl], w [T, k], idx int [T, k] -> y_lat [T, Dl] in z's dtype."""
     y = np.zeros(z.shape, z.dtype)
@@ -78,22 +74,11 @@ def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray,
         return y
     starts, toks, ws = expert_pairs(idx, w, chosen)
     P = len(toks)
-    nbytes = sum(a.nbytes for t in tensors for pair in t.values() for a in pair)
 
     def project(proj: str, x: np.ndarray, rows_of: np.ndarray) -> np.ndarray:
-        R = tensors[0][proj][0].shape[0]
-        out = np.empty((P, R), z.dtype)
-        if nbytes <= STACK_BYTES:
-            packed = np.stack([t[proj][0] for t in tensors])
-            scale = np.stack([t[proj][1] for t in tensors])
-            return mxfp4_jit.experts_gemv(packed, scale, x, starts, rows_of, out)
-        for j, t in enumerate(tensors):
-            p0, p1 = int(starts[j]), int(starts[j + 1])
-            if p1 > p0:
-                packed, scale = (np.ascontiguousarray(a)[None] for a in t[proj])
-                mxfp4_jit.experts_gemv(packed, scale, x, np.array([0, p1 - p0], np.int64), rows_of[p0:p1],
-                                       out[p0:p1])
-        return out
+        out = np.empty((P, tensors[0][proj][0].shape[0]), z.dtype)
+        return mxfp4_jit.experts_gemv_at([t[proj][0] for t in tensors], [t[proj][1] for t in tensors], x, starts,
+                                         rows_of, out)
 
     gate = project("w1", z, toks)
     up = project("w3", z, toks)

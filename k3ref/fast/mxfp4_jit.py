@@ -181,6 +181,44 @@ def _experts_gemv_one(packed, scale, tables, xe, xo, starts, rows_of, out):  # p
         _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out)
 
 
+@intrinsic
+def _u8_at(typingctx, address):
+    """The uint8 pointer at the integer `address` (an array's data address, taken by `experts_gemv_at`)."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.CPointer(types.uint8)(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
+    """`_gemv_item` for expert j's own arrays, found at the addresses at_packed[j] and at_scale[j]."""
+    blocks = (R + ROW_BLOCK - 1) // ROW_BLOCK
+    j = item // blocks
+    packed = numba.carray(_u8_at(at_packed[j]), (R, K // 2))
+    scale = numba.carray(_u8_at(at_scale[j]), (R, K // 32))
+    r0 = (item % blocks) * ROW_BLOCK
+    for r in range(r0, min(r0 + ROW_BLOCK, R)):
+        for p in range(starts[j], starts[j + 1]):                      # each row's bytes serve every pair of j
+            out[p, r] = _row_dot(packed[r], scale[r], tables, xe[rows_of[p]], xo[rows_of[p]])
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def _experts_gemv_at_threads(at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
+    for item in numba.prange(at_packed.shape[0] * ((R + ROW_BLOCK - 1) // ROW_BLOCK)):   # (expert, row block)
+        _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out)
+
+
+@numba.njit(cache=True, nogil=True)
+def _experts_gemv_at_one(at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
+    for item in range(at_packed.shape[0] * ((R + ROW_BLOCK - 1) // ROW_BLOCK)):
+        _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out)
+
+
 def split_inputs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [M, K] -> (its even elements, its odd elements), each [M, K/2] C-contiguous: the low and the high
     nibble of packed byte i multiply x[2i] and x[2i + 1]."""
@@ -201,6 +239,27 @@ def experts_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray, starts: n
     threaded = packed.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
     kernel = _experts_gemv_threads if threaded else _experts_gemv_one
     kernel(packed, scale, GROUP_TABLES, xe, xo, starts, rows_of, out)
+    return out
+
+
+def experts_gemv_at(packed: list[np.ndarray], scale: list[np.ndarray], x: np.ndarray, starts: np.ndarray,
+                    rows_of: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`experts_gemv` over each expert's own arrays, read where they lie (no stack, no copy of a contiguous one):
+    packed[j] u8 [R, K/2] and scale[j] u8 [R, K/32] of the call's j-th expert, all of one shape (checked by the
+    caller). One compiled call for every expert, its (expert, row block) items split between numba's threads.
+    The same sums in the same order as `experts_gemv`. Returns out."""
+    n = len(packed)
+    if n == 0:
+        return out
+    held = [np.ascontiguousarray(a) for a in (*packed, *scale)]      # alive until the kernel returns
+    at = np.array([a.ctypes.data for a in held], np.int64)
+    R, K = held[0].shape[0], 2 * held[0].shape[1]
+    xe, xo = split_inputs(x)
+    threaded = (n * (held[0].nbytes + held[n].nbytes) >= THREADS_MIN_BYTES
+                and not forked_after_numba())                       # a forked child: serial only
+    kernel = _experts_gemv_at_threads if threaded else _experts_gemv_at_one
+    kernel(at[:n], at[n:], R, K, GROUP_TABLES, xe, xo, starts, rows_of, out)
+    del held
     return out
 
 
