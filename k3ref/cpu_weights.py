@@ -20,7 +20,8 @@ import numpy as np
 
 from . import fast
 from .expert_backend import MmapExpertStore, parse_expert_name
-from .ops import linear
+from .fast import gemv_jit
+from .ops import JIT_MAX_ROWS, linear
 from .weights import LM_HEAD, TEXT_PREFIX, CheckpointReader, layer_prefix  # noqa: F401  (re-exported: one definition of the names)
 
 
@@ -87,16 +88,21 @@ def take_rows(weights: Mapping, name: str, rows, dtype) -> np.ndarray:
 def table_matmul(weights: Mapping, name: str, x: np.ndarray, dtype, block_rows: int) -> np.ndarray:
     """x [T, D] @ table[name].T -> [T, rows] in the wider of x's dtype and `dtype`, one block of `block_rows`
     table rows at a time; a bf16 table goes through `k3ref.ops.linear` (the compiled bf16 GEMV by default: no
-    float copy of any block), any other is taken by `take_rows` (a view when no cast is needed)."""
+    float copy of any block), a float32 one times up to JIT_MAX_ROWS float32 rows through the compiled GEMV
+    (`k3ref.fast.gemv_jit.linear_jit`: the same bits on any machine and thread count), any other is taken by
+    `take_rows` (a view when no cast is needed) and multiplied by BLAS."""
     table = stored_tensor(weights, name)
     out_dtype = np.result_type(x.dtype, np.dtype(dtype))
     xw = np.asarray(x).astype(out_dtype, copy=False)
     out = np.empty((xw.shape[0], table.shape[0]), out_dtype)
+    compiled = fast.enabled() and xw.ndim == 2 and xw.shape[0] <= JIT_MAX_ROWS
     for lo in range(0, table.shape[0], block_rows):
         block = slice(lo, lo + block_rows)
         if table.dtype.kind == "V" and table.dtype.name == "bfloat16" and fast.enabled():
             out[:, block] = linear(xw, table[block])
-        else:
+        elif compiled and table.dtype == out_dtype == np.float32:
+            out[:, block] = gemv_jit.linear_jit(xw, table[block])   # a view of the block; x unchecked: a non-finite
+        else:                                                         # hidden state gives non-finite logits
             out[:, block] = xw @ take_rows(weights, name, block, dtype).T
     return out
 

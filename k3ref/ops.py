@@ -10,8 +10,8 @@ from . import fast
 from .checks import as_float, check_shape
 from .fast import gemv_jit
 
-BF16_JIT_MAX_ROWS = 64   # rows of x up to which a bf16 weight goes through the compiled GEMV (a decode step,
-                         # a short prefill); above, the cast and BLAS's blocked GEMM are faster
+JIT_MAX_ROWS = 64   # rows of x up to which a bf16 weight, or a float32 one times float32 x, goes through the
+                    # compiled GEMV (a decode step, a short prefill); above, BLAS's blocked GEMM is faster
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -58,17 +58,18 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """y = x W^T with W stored [out, in] as torch.nn.Linear and checkpoints store it.
 
     x: [..., in]; w: [out, in] -> [..., out], computed in x's dtype.
-    A bf16 w (as `k3ref.cpu_weights.ModuleView` hands out a large checkpoint matrix) times a few rows of x runs
-    the compiled GEMV by default (`k3ref.fast.gemv_jit.linear_jit`: w read once, no float copy of it, the same
-    bits on any machine and thread count); K3_FAST=numpy, or more than BF16_JIT_MAX_ROWS rows (a prefill, where
-    BLAS's GEMM wins), casts w and multiplies. A float32 / float64 w stays on BLAS: the float32 baseline's error,
-    which some gates scale with, moves when its sums do.
+    A bf16 w (as `k3ref.cpu_weights.ModuleView` hands out a large checkpoint matrix), or a float32 w times float32
+    x (the float32 host graph and its baseline), times a few rows of x runs the compiled GEMV by default
+    (`k3ref.fast.gemv_jit.linear_jit`: w read once, no float copy of it, the same bits on any machine and thread
+    count, threaded on numba's threads); K3_FAST=numpy, or more than JIT_MAX_ROWS rows (a prefill, where BLAS's
+    GEMM wins), casts w and multiplies. A float64 w stays on BLAS: the float64 goldens were written by it.
     """
     x = as_float("x", x)
     w = np.asarray(w)
     check_shape("w", w, (None, x.shape[-1]))
     rows = x.size // max(x.shape[-1], 1)
-    if gemv_jit.is_bf16(w) and w.ndim == 2 and rows <= BF16_JIT_MAX_ROWS and fast.enabled():
+    if (w.ndim == 2 and rows <= JIT_MAX_ROWS and fast.enabled()
+            and (gemv_jit.is_bf16(w) or (w.dtype == np.float32 and x.dtype == np.float32))):
         y = gemv_jit.linear_jit(x.reshape(rows, x.shape[-1]), w)
         return y.reshape(x.shape[:-1] + (w.shape[0],))
     return x @ w.astype(x.dtype, copy=False).T

@@ -3,8 +3,9 @@ stored as bf16 (ml_dtypes.bfloat16 or its uint16 bits, as the checkpoint reader 
 without a float copy of W and without BLAS (whose sums depend on the CPU and its thread count).
 
 The readable statement is `k3ref.ops.linear` (x @ w.astype(x.dtype).T); `linear` calls `linear_jit` here by
-default for a bf16 weight and up to `k3ref.ops.BF16_JIT_MAX_ROWS` rows of x (`k3ref.fast.enabled()`; K3_FAST=numpy
-keeps the cast and BLAS). float32 and float64 weights are taken too, for a caller that wants no BLAS. Each kernel
+default for a bf16 weight, or a float32 one times float32 x, and up to `k3ref.ops.JIT_MAX_ROWS` rows of x
+(`k3ref.fast.enabled()`; K3_FAST=numpy keeps the cast and BLAS); `k3ref.cpu_weights.table_matmul` calls it for a
+float32 lm_head. float64 weights are taken too, for a caller that wants no BLAS. Each kernel
 compiles on its first call per type signature and is cached on disk (`cache=True`).
 
 Each weight is converted as astype does (a bf16 value is the top half of a float32: bits << 16, exact; float32 to
@@ -36,8 +37,9 @@ ROWS = 4            # weight rows per tile (speed only)
 TOKENS = {np.dtype(np.float32): 4, np.dtype(np.float64): 3}   # rows of x per tile at most (speed only: ROWS x
                     # TOKENS accumulators of 16 lanes fill 16 or 24 of AVX-512's 32 vector registers)
 ROW_BLOCK = 16      # weight rows per parallel work item, a multiple of ROWS (speed only)
-THREADS_MIN_BYTES = 2 << 20   # weight bytes from which a call runs on numba's threads (speed only: a smaller one
-                              # costs less than waking the threads on a busy machine)
+THREADS_MIN_BYTES = 1 << 19   # weight bytes from which a call runs on numba's threads (speed only: a smaller one
+                              # costs less than waking the threads; the small model's 0.5-1.5 MB float32
+                              # matrices gain ~2 ms a decode step on 2 cores from 2 MB down to 512 KB)
 
 _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
