@@ -17,6 +17,7 @@ from conformance.cases.routes import route_stable
 from conformance.golden.drift import diff_tensors, is_rounding_only
 from conformance.golden.errors import GoldenError
 from conformance.golden.store import COMMITTED_ROOT, MANIFEST, golden_path, read_golden
+from conformance.runner import FreshRunner, Runner
 from k3ref.latent_moe import sigmoid_topk
 
 PER_BLOCK = [c for c in all_cases("tiny") if c.kind in PER_BLOCK_KINDS]
@@ -104,6 +105,17 @@ def test_a_fresh_golden_goes_through_the_store_checks(tmp_path):
     got.path.write_bytes(got.path.read_bytes()[:-8])       # what read_golden refuses in a committed golden
     with pytest.raises(GoldenError, match="sha256 mismatch"):
         read_golden(tmp_path, case.name, config=case.config)
+
+
+def test_a_failure_on_fresh_inputs_does_not_blame_the_fresh_golden(tmp_path):
+    """The golden check behind "broken golden" regenerates a case with its own seed: a fresh draw differs from that
+    by design, so the fresh runner never reports its own draw as broken (a kernel's fresh failure once read so)."""
+    case = next(c for c in PER_BLOCK if c.name == "rmsnorm/T1-D113")
+    drawn = fresh_golden(case, 1302569823, tmp_path)
+    assert drawn is not None
+    parent = Runner(COMMITTED_ROOT, case.config, False)
+    assert "metadata seed is '1302569823'" in parent.golden_fault(case, drawn)    # what the check alone would say
+    assert FreshRunner(parent, 1302569823).golden_fault(case, drawn) == ""
 
 
 @pytest.mark.parametrize("case", _ids(TRACES))
