@@ -268,6 +268,21 @@ def test_take_rows_and_table_matmul(bf16_weight):
         assert rel_rms(got, x @ t.astype(np.float64).T) <= tol("fp64_same_math")
 
 
+def test_float32_linear_and_lm_head_sum_in_the_kernels_order(monkeypatch):
+    """float32 weights times float32 rows run the compiled GEMV (no BLAS: the same bits on any CPU), lm_head's
+    blocks too, and an overflowed hidden state still reaches the logits as inf/NaN instead of raising."""
+    rng = np.random.default_rng(11)
+    w, x = rng.standard_normal((37, 70)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
+    want = gemv_jit.lane_order_reference(w, x)
+    assert np.array_equal(ops.linear(x, w), want)
+    assert np.array_equal(table_matmul({"t": w}, "t", x, np.float32, block_rows=8), want)
+    x[1, 5] = np.inf
+    logits = table_matmul({"t": w}, "t", x, np.float32, block_rows=8)
+    assert not np.isfinite(logits[1]).any() and np.array_equal(logits[[0, 2]], want[[0, 2]])
+    monkeypatch.setenv("K3_FAST", "numpy")                            # BLAS's sums: the readable statement
+    assert rel_rms(ops.linear(x[[0, 2]], w), want[[0, 2]]) <= tol("fp32_vs_fp64")
+
+
 def test_k3_fast_names_its_values(monkeypatch):
     monkeypatch.setenv("K3_FAST", "NumPy")
     assert not fast.enabled()
