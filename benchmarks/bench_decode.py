@@ -5,8 +5,9 @@ Floor = bytes a decode step must touch (every active float32 weight once: all no
 embedding table, which costs one row; the selected experts' MXFP4 bytes; the KDA state read + written; the
 MLA cache rows read) at the bandwidth of the shared 512 MB float32 copy (conftest `floor`), copy and decode
 steps interleaved. Target: at most 2x the floor.
-The host graph runs its default forms: the compiled routed experts (`k3ref.fast.latent_moe.routed_pairs_jit`),
-lm_head's float32 blocks as views (no copy), and the compiled KDA step (MLA decode stays on BLAS by default).
+The host graph runs its default forms: the float32 projections and lm_head's float32 blocks through the compiled
+GEMV (`k3ref.fast.gemv_jit`, no copy of a weight), the compiled routed experts
+(`k3ref.fast.latent_moe.routed_pairs_jit`) and the compiled KDA step (MLA decode stays on BLAS by default).
 Thread modes: "pinned" runs BLAS and numba on one thread; "all-cores" leaves both as a user gets them.
 Run: make bench  (or .venv/bin/python -m pytest benchmarks/bench_decode.py -q -s)
 """

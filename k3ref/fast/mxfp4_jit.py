@@ -37,8 +37,9 @@ from .gemv_jit import LANES, fold_lanes, vector
 # LANES (16) is also the partial sums per nibble parity here: one group of 16 bytes adds once to each lane.
 
 ROW_BLOCK = 16      # output rows per parallel work item (speed only)
-THREADS_MIN_BYTES = 2 << 20   # packed bytes from which a call runs on numba's threads (speed only: a smaller one,
-                              # `small`'s 256 KB of experts, costs less than waking the threads on a busy machine)
+THREADS_MIN_BYTES = 1 << 18   # packed bytes from which a call runs on numba's threads (speed only: decoding is
+                              # compute-bound, `small`'s 8 chosen experts, 0.5 MB a projection, take ~60 us on one
+                              # core; a call much smaller costs less than waking the threads)
 
 
 def _group_tables() -> np.ndarray:
