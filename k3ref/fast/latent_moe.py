@@ -66,9 +66,9 @@ def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray,
     """y_lat = sum_k w_k E_idx_k(z) over the experts in `chosen` (ascending; tensors[j]: checked (packed,
     scale) of chosen[j] per projection), compiled: for every (token, expert) pair, gate and up by
     `k3ref.fast.mxfp4_jit.experts_gemv_at` (one call for every expert, each read where it lies, its bytes once for
-    all its tokens), glu once over all
-    pairs (the caller's SiTU-GLU: the nonlinearity stays NumPy's), the down projection likewise, then the pairs
-    mixed into y in order (`mix_pairs`). z float [T, Dl], w [T, k], idx int [T, k] -> y_lat [T, Dl] in z's dtype."""
+    all its tokens), glu once over all pairs (the caller's SiTU-GLU: the nonlinearity stays NumPy's), the down
+    projection likewise, then the pairs mixed into y in order (`mix_pairs`). z float [T, Dl], w [T, k], idx int
+    [T, k] -> y_lat [T, Dl] in z's dtype."""
     y = np.zeros(z.shape, z.dtype)
     if not chosen:
         return y

@@ -253,8 +253,12 @@ def experts_gemv_at(packed: list[np.ndarray], scale: list[np.ndarray], x: np.nda
     if n == 0:
         return out
     held = [np.ascontiguousarray(a) for a in (*packed, *scale)]      # alive until the kernel returns
-    at = np.array([a.ctypes.data for a in held], np.int64)
     R, K = held[0].shape[0], 2 * held[0].shape[1]
+    if any(a.shape != (R, K // 2) for a in held[:n]) or any(a.shape != (R, K // 32) for a in held[n:]):
+        raise ValueError(f"experts_gemv_at: expected every expert's packed [{R}, {K // 2}] and scale "
+                         f"[{R}, {K // 32}] (the kernel reads that many bytes at each address), found "
+                         f"{[a.shape for a in held]}")
+    at = np.array([a.ctypes.data for a in held], np.int64)
     xe, xo = split_inputs(x)
     threaded = (n * (held[0].nbytes + held[n].nbytes) >= THREADS_MIN_BYTES
                 and not forked_after_numba())                       # a forked child: serial only

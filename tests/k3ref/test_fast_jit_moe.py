@@ -175,6 +175,9 @@ def test_experts_read_where_they_lie_give_the_stacked_bits(dtype):
             got = mxfp4_jit.experts_gemv_at([experts[0][0], strided, experts[2][0]], [s for _, s in experts], x,
                                             starts, rows_of, np.empty((5, R), dtype))
         assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match=r"expected every expert's packed \[40, 48\]"):
+        mxfp4_jit.experts_gemv_at([experts[0][0], experts[1][0][:20]], [s for _, s in experts[:2]], x, starts[:3],
+                                  rows_of[:2], np.empty((2, R), dtype))
 
 
 def test_routed_experts_same_bits_on_one_and_two_threads(k3_moe):
