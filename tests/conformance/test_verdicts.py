@@ -204,9 +204,10 @@ def test_the_logits_caps_are_measured_on_the_mode_they_gate(mode, model):
 
 def test_the_layerwise_logits_are_not_gated_by_the_free_runs_accumulation():
     layerwise, free = (gate_table.measured.TRACE_LOGITS[m] for m in ("layerwise", "free"))
-    # measured: torch-bf16 28x; numpy32 24x (4.6e-6 vs 2.0e-7 with its compiled GEMV, 54x with BLAS's sums): a cap
-    # from the free run would leave the layerwise logits an order of magnitude of headroom at either precision
-    assert free[0][0] > 10 * layerwise[0][0] and free[1][0] > 25 * layerwise[1][0]
+    # measured with the float32 projections on the compiled GEMV: numpy32 24x (4.6e-6 vs 2.0e-7; 54x with BLAS's
+    # sums), torch-bf16 22x (8.2e-2 vs 3.6e-3; 28x before): a cap from the free run would leave the layerwise
+    # logits an order of magnitude of headroom at either precision
+    assert free[0][0] > 10 * layerwise[0][0] and free[1][0] > 10 * layerwise[1][0]
     assert gates.baseline_gate_for("lm_head", "tiny/layerwise/step3.logits", "bf16", "tiny")[1].cap < free[1][0]
 
 
