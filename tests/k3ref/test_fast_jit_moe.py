@@ -157,7 +157,8 @@ def test_routed_experts_compiled_equals_the_numpy_path(k3_moe, dtype, T, monkeyp
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_experts_read_where_they_lie_give_the_stacked_bits(dtype):
     """experts_gemv_at reads each expert's own arrays by address: the same bits as the stacked call, on one and
-    two threads, from a strided expert (copied first) too, and nothing read from an expert with no pairs."""
+    two threads, with a strided expert (copied first) and an expert with no pairs among them; experts of another
+    shape are refused (the kernel would read past them)."""
     rng = np.random.default_rng(21)
     n, R, K = 3, 40, 96
     experts = [_expert_bytes(rng, R, K) for _ in range(n)]
