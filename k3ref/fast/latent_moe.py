@@ -65,7 +65,7 @@ def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray,
                      chosen: list[int], glu: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """y_lat = sum_k w_k E_idx_k(z) over the experts in `chosen` (ascending; tensors[j]: checked (packed,
     scale) of chosen[j] per projection), compiled: for every (token, expert) pair, gate and up by
-    `k3ref.fast.mxfp4_jit.experts_gemv_at` (one call for every expert, each read where it lies, its bytes once for
+    `k3ref.fast.mxfp4_jit.experts_gemv` (one call for every expert, each read where it lies, its bytes once for
     all its tokens), glu once over all pairs (the caller's SiTU-GLU: the nonlinearity stays NumPy's), the down
     projection likewise, then the pairs mixed into y in order (`mix_pairs`). z float [T, Dl], w [T, k], idx int
     [T, k] -> y_lat [T, Dl] in z's dtype."""
@@ -77,7 +77,7 @@ def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray,
 
     def project(proj: str, x: np.ndarray, rows_of: np.ndarray) -> np.ndarray:
         out = np.empty((P, tensors[0][proj][0].shape[0]), z.dtype)
-        return mxfp4_jit.experts_gemv_at([t[proj][0] for t in tensors], [t[proj][1] for t in tensors], x, starts,
+        return mxfp4_jit.experts_gemv([t[proj][0] for t in tensors], [t[proj][1] for t in tensors], x, starts,
                                          rows_of, out)
 
     gate = project("w1", z, toks)

@@ -156,35 +156,9 @@ def _row_dot(typingctx, row, srow, tables, xe, xo):
     return sig, codegen
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out):  # pragma: no cover -- see experts_gemv
-    """One work item: the rows of one (expert, block of ROW_BLOCK rows) for every pair of that expert."""
-    R = packed.shape[1]
-    blocks = (R + ROW_BLOCK - 1) // ROW_BLOCK
-    e = item // blocks
-    r0 = (item % blocks) * ROW_BLOCK
-    for r in range(r0, min(r0 + ROW_BLOCK, R)):
-        for p in range(starts[e], starts[e + 1]):                      # each row's bytes serve every pair of e
-            out[p, r] = _row_dot(packed[e, r], scale[e, r], tables, xe[rows_of[p]], xo[rows_of[p]])
-
-
-@numba.njit(cache=True, parallel=True, nogil=True)
-def _experts_gemv_threads(packed, scale, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
-    items = packed.shape[0] * ((packed.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK)
-    for item in numba.prange(items):                               # independent (expert, row block) items
-        _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out)
-
-
-@numba.njit(cache=True, nogil=True)
-def _experts_gemv_one(packed, scale, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
-    items = packed.shape[0] * ((packed.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK)
-    for item in range(items):
-        _gemv_item(item, packed, scale, tables, xe, xo, starts, rows_of, out)
-
-
 @intrinsic
 def _u8_at(typingctx, address):
-    """The uint8 pointer at the integer `address` (an array's data address, taken by `experts_gemv_at`)."""
+    """The uint8 pointer at the integer `address` (an array's data address, taken by `experts_gemv`)."""
     if not isinstance(address, types.Integer):
         return None
     sig = types.CPointer(types.uint8)(address)
@@ -196,8 +170,9 @@ def _u8_at(typingctx, address):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
-    """`_gemv_item` for expert j's own arrays, found at the addresses at_packed[j] and at_scale[j]."""
+def _gemv_item(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
+    """One work item: the rows of one (expert j, block of ROW_BLOCK rows) for every pair of that expert, its
+    packed and scale bytes found at the addresses at_packed[j] and at_scale[j] (see experts_gemv)."""
     blocks = (R + ROW_BLOCK - 1) // ROW_BLOCK
     j = item // blocks
     packed = numba.carray(_u8_at(at_packed[j]), (R, K // 2))
@@ -209,15 +184,15 @@ def _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
-def _experts_gemv_at_threads(at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
+def _experts_gemv_threads(at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
     for item in numba.prange(at_packed.shape[0] * ((R + ROW_BLOCK - 1) // ROW_BLOCK)):   # (expert, row block)
-        _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out)
+        _gemv_item(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out)
 
 
 @numba.njit(cache=True, nogil=True)
-def _experts_gemv_at_one(at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
+def _experts_gemv_one(at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out):  # pragma: no cover
     for item in range(at_packed.shape[0] * ((R + ROW_BLOCK - 1) // ROW_BLOCK)):
-        _gemv_item_at(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out)
+        _gemv_item(item, at_packed, at_scale, R, K, tables, xe, xo, starts, rows_of, out)
 
 
 def split_inputs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -226,43 +201,32 @@ def split_inputs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
 
 
-def experts_gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray, starts: np.ndarray, rows_of: np.ndarray,
-                 out: np.ndarray) -> np.ndarray:
-    """out[p, r] = dequantize(packed[e], scale[e])[r] . x[rows_of[p]] for every pair p of expert e, into out.
+def experts_gemv(packed: list[np.ndarray], scale: list[np.ndarray], x: np.ndarray, starts: np.ndarray,
+                 rows_of: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[p, r] = dequantize(packed[j], scale[j])[r] . x[rows_of[p]] for every pair p of the call's j-th expert,
+    into out.
 
-    packed u8 [n, R, K/2] and scale u8 [n, R, K/32] (n experts, stacked, or one expert as a [None] view), both
-    C-contiguous; x [M, K] float32 or float64; starts int64 [n + 1]: expert e owns pairs starts[e] ..
-    starts[e + 1] - 1; rows_of int64 [P]: the row of x each pair reads; out [P, R] in x's dtype, C-contiguous.
-    All checked by the caller (`k3ref.mxfp4`, `k3ref.latent_moe`). Every byte is read once per pair of its
-    expert, from cache after the first. Returns out.
+    packed[j] u8 [R, K/2] and scale[j] u8 [R, K/32]: each expert's own arrays, all of one shape, read where they
+    lie (by address: no stack, no copy of a contiguous one); x [M, K] float32 or float64; starts int64 [n + 1]:
+    expert j owns pairs starts[j] .. starts[j + 1] - 1; rows_of int64 [P]: the row of x each pair reads; out [P, R]
+    in x's dtype, C-contiguous; checked by the caller (`k3ref.mxfp4`, `k3ref.latent_moe`), the shapes again here.
+    One compiled call for every expert, its (expert, row block) items split between numba's threads. Every byte is
+    read once per pair of its expert, from cache after the first. Returns out.
     """
-    xe, xo = split_inputs(x)
-    threaded = packed.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
-    kernel = _experts_gemv_threads if threaded else _experts_gemv_one
-    kernel(packed, scale, GROUP_TABLES, xe, xo, starts, rows_of, out)
-    return out
-
-
-def experts_gemv_at(packed: list[np.ndarray], scale: list[np.ndarray], x: np.ndarray, starts: np.ndarray,
-                    rows_of: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """`experts_gemv` over each expert's own arrays, read where they lie (no stack, no copy of a contiguous one):
-    packed[j] u8 [R, K/2] and scale[j] u8 [R, K/32] of the call's j-th expert, all of one shape (checked by the
-    caller). One compiled call for every expert, its (expert, row block) items split between numba's threads.
-    The same sums in the same order as `experts_gemv`. Returns out."""
     n = len(packed)
     if n == 0:
         return out
     held = [np.ascontiguousarray(a) for a in (*packed, *scale)]      # alive until the kernel returns
     R, K = held[0].shape[0], 2 * held[0].shape[1]
     if any(a.shape != (R, K // 2) for a in held[:n]) or any(a.shape != (R, K // 32) for a in held[n:]):
-        raise ValueError(f"experts_gemv_at: expected every expert's packed [{R}, {K // 2}] and scale "
+        raise ValueError(f"experts_gemv: expected every expert's packed [{R}, {K // 2}] and scale "
                          f"[{R}, {K // 32}] (the kernel reads that many bytes at each address), found "
                          f"{[a.shape for a in held]}")
     at = np.array([a.ctypes.data for a in held], np.int64)
     xe, xo = split_inputs(x)
     threaded = (n * (held[0].nbytes + held[n].nbytes) >= THREADS_MIN_BYTES
                 and not forked_after_numba())                       # a forked child: serial only
-    kernel = _experts_gemv_at_threads if threaded else _experts_gemv_at_one
+    kernel = _experts_gemv_threads if threaded else _experts_gemv_one
     kernel(at[:n], at[n:], R, K, GROUP_TABLES, xe, xo, starts, rows_of, out)
     del held
     return out
@@ -275,7 +239,7 @@ def gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
     out = np.empty((M, packed.shape[0]), x.dtype)
     if M == 0:
         return out
-    return experts_gemv(packed[None], scale[None], x, np.array([0, M], np.int64), np.arange(M, dtype=np.int64), out)
+    return experts_gemv([packed], [scale], x, np.array([0, M], np.int64), np.arange(M, dtype=np.int64), out)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -155,10 +155,10 @@ def test_routed_experts_compiled_equals_the_numpy_path(k3_moe, dtype, T, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_experts_read_where_they_lie_give_the_stacked_bits(dtype):
-    """experts_gemv_at reads each expert's own arrays by address: the same bits as the stacked call, on one and
-    two threads, with a strided expert (copied first) and an expert with no pairs among them; experts of another
-    shape are refused (the kernel would read past them)."""
+def test_experts_read_where_they_lie_give_each_experts_own_bits(dtype):
+    """experts_gemv reads each expert's own arrays by address: every pair gets the bits of that expert's matrix
+    alone (`gemv`), on one and two threads, with a strided expert (copied first) and an expert with no pairs among
+    them; experts of another shape are refused (the kernel would read past them)."""
     rng = np.random.default_rng(21)
     n, R, K = 3, 40, 96
     experts = [_expert_bytes(rng, R, K) for _ in range(n)]
@@ -166,19 +166,19 @@ def test_experts_read_where_they_lie_give_the_stacked_bits(dtype):
     x = rng.standard_normal((4, K)).astype(dtype)
     starts = np.array([0, 2, 2, 5], np.int64)                              # expert 1 has no pairs
     rows_of = np.array([0, 3, 1, 2, 3], np.int64)
-    want = mxfp4_jit.experts_gemv(np.stack([p for p, _ in experts]), np.stack([s for _, s in experts]), x, starts,
-                                  rows_of, np.empty((5, R), dtype))
+    spans = [(0, 2), (2, 2), (2, 5)]
+    want = np.concatenate([mxfp4_jit.gemv(*e, x[rows_of[p:q]]) for (p, q), e in zip(spans, experts, strict=True)])
     readable = np.concatenate([x[rows_of[p:q]].astype(np.float64) @ mxfp4.dequantize(*e).astype(np.float64).T
-                               for (p, q), e in zip([(0, 2), (2, 2), (2, 5)], experts, strict=True)])
+                               for (p, q), e in zip(spans, experts, strict=True)])
     assert rel_rms(want, readable) <= GATE[dtype]
     for threads in (1, 2):
         with numba_threads(threads):
-            got = mxfp4_jit.experts_gemv_at([experts[0][0], strided, experts[2][0]], [s for _, s in experts], x,
-                                            starts, rows_of, np.empty((5, R), dtype))
+            got = mxfp4_jit.experts_gemv([experts[0][0], strided, experts[2][0]], [s for _, s in experts], x,
+                                         starts, rows_of, np.empty((5, R), dtype))
         assert np.array_equal(got, want)
     with pytest.raises(ValueError, match=r"expected every expert's packed \[40, 48\]"):
-        mxfp4_jit.experts_gemv_at([experts[0][0], experts[1][0][:20]], [s for _, s in experts[:2]], x, starts[:3],
-                                  rows_of[:2], np.empty((2, R), dtype))
+        mxfp4_jit.experts_gemv([experts[0][0], experts[1][0][:20]], [s for _, s in experts[:2]], x, starts[:3],
+                               rows_of[:2], np.empty((2, R), dtype))
 
 
 def test_routed_experts_same_bits_on_one_and_two_threads(k3_moe):
@@ -339,13 +339,12 @@ def test_kernels_refuse_strided_arrays_at_compile_time():
     packed, scale = _expert_bytes(rng, 8, 128)
     x = rng.standard_normal((1, 128))
     xe, xo = mxfp4_jit.split_inputs(x)
-    strided = np.repeat(packed, 2, axis=1)[None, :, ::2]                  # the same bytes, every other one
-    pairs = (np.array([0, 1], np.int64), np.zeros(1, np.int64))
-    out = mxfp4_jit._experts_gemv_one(np.ascontiguousarray(strided), scale[None], mxfp4_jit.GROUP_TABLES, xe, xo,
-                                      *pairs, np.empty((1, 8)))
-    assert out is None                                                    # contiguous: compiles and runs
+    strided = np.repeat(packed, 2, axis=1)[:, ::2]                         # the same bytes, every other one
+    dot = numba.njit(lambda row, srow, tables, e, o: mxfp4_jit._row_dot(row, srow, tables, e, o))
+    got = dot(np.ascontiguousarray(strided[0]), scale[0], mxfp4_jit.GROUP_TABLES, xe[0], xo[0])
+    assert got == mxfp4_jit.gemv(packed, scale, x)[0, 0]                  # contiguous: compiles and runs
     with pytest.raises(numba.core.errors.TypingError):
-        mxfp4_jit._experts_gemv_one(strided, scale[None], mxfp4_jit.GROUP_TABLES, xe, xo, *pairs, np.empty((1, 8)))
+        dot(strided[0], scale[0], mxfp4_jit.GROUP_TABLES, xe[0], xo[0])
     w = rng.standard_normal((8, 64)).astype(np.float32)
     gemv_jit._gemv_one(np.ascontiguousarray(w[:, ::2]), x[:, :32].copy(), np.empty((1, 8)), 3)
     with pytest.raises(numba.core.errors.TypingError):
