@@ -213,21 +213,15 @@ class TraceKind(KindBase):
         inputs, so nothing compounds there: its errors stay per tensor."""
         if case.params["mode"] != "free" or not errs:
             return errs
+        per_step = {tensor: name.what for tensor, name in ((t, TraceName.parse(t)) for t in errs)
+                    if name is not None and name.layer is None}          # tensor -> what it holds ('logits')
         worst: dict[str, gates.BaselineError] = {}
-        for tensor, err in errs.items():
-            name = TraceName.parse(tensor)
-            if name is None or name.layer is not None:
-                continue
-            seen = worst.get(name.what)
-            worst[name.what] = err if seen is None else gates.BaselineError(
+        for tensor, what in per_step.items():
+            err, seen = errs[tensor], worst.get(what)
+            worst[what] = err if seen is None else gates.BaselineError(
                 max(seen.rel_rms, err.rel_rms),
                 None if seen.worst_err is None or err.worst_err is None else max(seen.worst_err, err.worst_err))
-        pooled = dict(errs)
-        for tensor in errs:
-            name = TraceName.parse(tensor)
-            if name is not None and name.layer is None:
-                pooled[tensor] = worst[name.what]
-        return pooled
+        return {**errs, **{tensor: worst[what] for tensor, what in per_step.items()}}
 
     def timing(self, case: Case, golden, backend):
         if isinstance(backend, WholeModelBackend):   # the whole trace is what it times
