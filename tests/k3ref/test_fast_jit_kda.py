@@ -301,11 +301,11 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_torch_in_a_child_forked_after_numbas_pool_does_not_hang():
     """torch and numba's OpenMP layer share libgomp: a worker forked after the parent ran a parallel kernel used to
     wait forever in torch's first parallel region (seen: a torch backend's worker stopped by the 300 s timeout)."""
-    pytest.importorskip("torch")
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip(f"numba's pool has {numba.config.NUMBA_NUM_THREADS} thread here: no pool to fork after")
     try:
