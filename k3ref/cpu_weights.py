@@ -68,8 +68,7 @@ def stored_tensor(weights: Mapping, name: str) -> np.ndarray:
 
 
 def _is_float(arr: np.ndarray) -> bool:
-    kind = arr.dtype.kind                 # kind first: dtype.name is Python-level (~3 us), asked per weight access
-    return kind == "f" or (kind == "V" and arr.dtype.name == "bfloat16")
+    return arr.dtype.kind == "f" or gemv_jit.is_bf16(arr)   # asked per weight access: is_bf16 tests the kind first
 
 
 def take_rows(weights: Mapping, name: str, rows, dtype) -> np.ndarray:
@@ -95,12 +94,15 @@ def table_matmul(weights: Mapping, name: str, x: np.ndarray, dtype, block_rows: 
     out_dtype = np.result_type(x.dtype, np.dtype(dtype))
     xw = np.asarray(x).astype(out_dtype, copy=False)
     out = np.empty((xw.shape[0], table.shape[0]), out_dtype)
-    compiled = fast.enabled() and xw.ndim == 2 and xw.shape[0] <= JIT_MAX_ROWS
+    compiled = fast.enabled()                                        # the route is the table's, not a block's
+    bf16_gemv = compiled and gemv_jit.is_bf16(table)
+    f32_gemv = (compiled and table.dtype == out_dtype == np.float32 and xw.ndim == 2
+                and xw.shape[0] <= JIT_MAX_ROWS)
     for lo in range(0, table.shape[0], block_rows):
         block = slice(lo, lo + block_rows)
-        if table.dtype.kind == "V" and table.dtype.name == "bfloat16" and fast.enabled():
+        if bf16_gemv:
             out[:, block] = linear(xw, table[block])
-        elif compiled and table.dtype == out_dtype == np.float32:
+        elif f32_gemv:
             out[:, block] = gemv_jit.linear_jit(xw, table[block])   # a view of the block; x unchecked: a non-finite
         else:                                                         # hidden state gives non-finite logits
             out[:, block] = xw @ take_rows(weights, name, block, dtype).T
@@ -114,8 +116,7 @@ def _lazy_bf16(arr: np.ndarray) -> bool:
     """True for a large stored bf16 matrix that a view without cache hands out as it is (fast paths on only):
     every consumer in the host graph multiplies it through `k3ref.ops.linear` or converts it first (as_float),
     and NumPy promotes bf16 exactly against float32 / float64 operands."""
-    return (arr.dtype.kind == "V" and arr.dtype.name == "bfloat16" and arr.ndim == 2
-            and arr.size >= LAZY_BF16_ELEMENTS and fast.enabled())
+    return gemv_jit.is_bf16(arr) and arr.ndim == 2 and arr.size >= LAZY_BF16_ELEMENTS and fast.enabled()
 
 
 class ModuleView(Mapping):
