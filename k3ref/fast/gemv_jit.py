@@ -17,10 +17,11 @@ the same order in NumPy.
 
 The kernel (`_tile`, written in LLVM IR on explicit 16-lane vectors) computes a tile of ROWS weight rows against
 up to four rows of x at once: each weight chunk is widened once for every token of the tile and each chunk of x
-serves ROWS rows, which is what keeps a 16-token prefill from re-reading x from L2 for every weight row. The
-tiling changes which products are computed together, never the order in which one dot product adds them, and
-`prange` splits only independent row blocks between threads: the bits depend neither on the tile sizes, the
-vector width nor the thread count.
+serves ROWS rows, which is what keeps a 16-token prefill from re-reading x from L2 for every weight row. A single
+row of x against short weight rows (a decode step's projections) goes one weight row at a time instead, which
+reads the matrix as one stream (`SHORT_ROW_BYTES`). The tiling changes which products are computed together,
+never the order in which one dot product adds them, and `prange` splits only independent row blocks between
+threads: the bits depend neither on the tile sizes, the vector width nor the thread count.
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ ROWS = 4            # weight rows per tile (speed only)
 TOKENS = {np.dtype(np.float32): 4, np.dtype(np.float64): 3}   # rows of x per tile at most (speed only: ROWS x
                     # TOKENS accumulators of 16 lanes fill 16 or 24 of AVX-512's 32 vector registers)
 ROW_BLOCK = 16      # weight rows per parallel work item, a multiple of ROWS (speed only)
+SHORT_ROW_BYTES = 16384  # one row of x against a weight whose rows, widened to x's dtype, take at most this many
+                         # bytes goes row by row instead of in tiles of ROWS (speed only; the matrix is then read
+                         # as one sequential stream). Measured on one core (AVX-512 EPYC, 8 MB matrices, GB/s of
+                         # weight, one row / four rows at a time): float32 K=256 24 / 8, K=1024 28 / 16, K=4096
+                         # 23 / 23, K=7168 19 / 27; bf16 into float64 K=2048 15 / 11, K=4096 9 / 12.
 THREADS_MIN_BYTES = 1 << 19   # weight bytes from which a call runs on numba's threads (speed only: a smaller one
                               # costs less than waking the threads; the small model's 0.5-1.5 MB float32
                               # matrices gain ~2 ms a decode step on 2 cores from 2 MB down to 512 KB)
@@ -86,9 +92,9 @@ def _tail(builder, row, start, K, element):
     return chunk
 
 
-def _tile(tokens: int):
-    """The compiled tile of ROWS weight rows from r0 and `tokens` rows of x from t0: out[t, r] = w[r] . x[t].
-    Rows past the weight's last are computed as copies of the last (the same value, written again)."""
+def _tile(tokens: int, rows_per_tile: int = ROWS):
+    """The compiled tile of `rows_per_tile` weight rows from r0 and `tokens` rows of x from t0: out[t, r] = w[r] .
+    x[t]. Rows past the weight's last are computed as copies of the last (the same value, written again)."""
 
     @intrinsic
     def tile(typingctx, w, x, out, r0, t0):
@@ -102,7 +108,7 @@ def _tile(tokens: int):
             wide = vector(context.get_value_type(signature.args[1].dtype))
             stored = context.get_value_type(signature.args[0].dtype)              # i16 (bf16 bits) or a float
             (N, K), K16 = (builder.extract_value(aw.shape, i) for i in (0, 1)), builder.extract_value(ax.shape, 1)
-            rows = [builder.add(args[3], ir.Constant(_I64, i)) for i in range(ROWS)]
+            rows = [builder.add(args[3], ir.Constant(_I64, i)) for i in range(rows_per_tile)]
             rows = [builder.select(builder.icmp_signed("<", r, N), r, builder.sub(N, ir.Constant(_I64, 1)))
                     for r in rows]
             toks = [builder.add(args[4], ir.Constant(_I64, j)) for j in range(tokens)]
@@ -139,13 +145,18 @@ def _tile(tokens: int):
 
 
 _tile1, _tile2, _tile3, _tile4 = (_tile(n) for n in range(1, 5))
+_row = _tile(1, 1)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
     """One work item: weight rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x, in tiles of ROWS
-    weight rows and at most `most` rows of x."""
+    weight rows and at most `most` rows of x; `most` = 0: one row of x against one weight row at a time."""
     M = x.shape[0]
+    if most == 0:
+        for r in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0])):
+            _row(w, x, out, r, 0)
+        return
     for r0 in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0]), ROWS):
         t0 = 0
         while t0 < M:
@@ -205,7 +216,8 @@ def linear_jit(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if M and N:
         threaded = w.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
         kernel = _gemv_threads if threaded else _gemv_one
-        kernel(weight_operand(w), padded_inputs(x), out, TOKENS[x.dtype])
+        one_row = M == 1 and w.shape[1] * x.itemsize <= SHORT_ROW_BYTES
+        kernel(weight_operand(w), padded_inputs(x), out, 0 if one_row else TOKENS[x.dtype])
     return out
 
 

@@ -219,11 +219,15 @@ def test_bf16_linear_equals_the_cast_product(bf16_weight, dtype, T):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("wtype", [ml_dtypes.bfloat16, np.float32, np.float64])
 @pytest.mark.parametrize(("M", "N", "K"), [(2, 21, 45), (1, 4, 16), (3, 5, 32), (5, 9, 33), (16, 23, 64),
-                                           (17, 6, 47), (4, 3, 15)])
-def test_gemv_kernel_sums_in_the_stated_order_and_propagates_nan(dtype, wtype, M, N, K):
+                                           (17, 6, 47), (4, 3, 15), (1, 21, 45), (1, 9, 33)])
+@pytest.mark.parametrize("short_row_bytes", [0, 1 << 40], ids=["tiles", "row-by-row"])
+def test_gemv_kernel_sums_in_the_stated_order_and_propagates_nan(dtype, wtype, M, N, K, short_row_bytes,
+                                                                  monkeypatch):
     """Tiles of 4 weight rows and up to 4 (float32) or 3 (float64) rows of x: every remainder of N and M, K with
     and without a ragged tail (read element by element, never past the row), NaN, and a row of -0 products; bf16,
-    float32 and float64 weights (a float64 weight against float32 x is rounded first, as astype does)."""
+    float32 and float64 weights (a float64 weight against float32 x is rounded first, as astype does). One row of x
+    takes both forms: tiles, and one weight row at a time (`SHORT_ROW_BYTES`)."""
+    monkeypatch.setattr(gemv_jit, "SHORT_ROW_BYTES", short_row_bytes)
     rng = np.random.default_rng(4 + M + N + K)
     w = rng.standard_normal((N, K)).astype(wtype)
     w[N - 1, K // 2] = np.nan
