@@ -310,8 +310,10 @@ def test_threaded_and_single_kernels_give_the_same_bits(monkeypatch):
     for threads_from in (0, 1 << 40):                                # every call threaded, then none
         monkeypatch.setattr(mxfp4_jit, "THREADS_MIN_BYTES", threads_from)
         monkeypatch.setattr(gemv_jit, "THREADS_MIN_BYTES", threads_from)
-        outs.append((mxfp4_jit.gemv(packed, scale, x), gemv_jit.linear_jit(x, w)))
-    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+        outs.append((mxfp4_jit.gemv(packed, scale, x), gemv_jit.linear_jit(x, w),
+                     gemv_jit.linear_jit(x[:1], w)))                 # one row of x: weight row by weight row
+    assert all(np.array_equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+    assert np.array_equal(outs[0][2], gemv_jit.lane_order_reference(w, x[:1]))
 
 
 def test_host_graph_with_bf16_matrices_as_stored_equals_the_cast_path(monkeypatch):
