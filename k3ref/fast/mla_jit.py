@@ -4,18 +4,22 @@ reorganised as one pass per (sequence, block of heads) over the paged cache.
 For sequence b and head h (rows j < seq_lens[b], gathered page by page through the block table):
     s_hj = (q_abs_h . row_j) * scale;   p_h = exp(s_h - max s_h) / sum exp(s_h - max s_h)
     o_lat_h = sum_j p_hj row_j[:kv_rank]
-Two passes over the sequence's rows per block of heads: the scores (and their max) first, then the
-weighted sum of latent rows with the normalised weights, as the readable form divides before it sums.
+Two passes over the sequence's pages per block of heads: the scores (and their max) first, then the weighted sum
+of latent rows with the normalised weights, as the readable form divides before it sums.
 
-Same bits on any machine and thread count: each (sequence, head) output is computed by one thread in a
-fixed order (each score a plain sum over the row in ascending index, ROWS rows side by side in the lanes of
-a vector; the softmax sum and the weighted sum over rows in ascending row order);
-`prange` only spreads whole (sequence, head block) tasks over threads. No fastmath (it would let LLVM
-reorder the sums) and no BLAS (its blocking depends on its thread count).
+Order of every sum (part of the result; no fastmath, so LLVM neither fuses multiply-adds nor reorders sums):
+- a score is `k3ref.fast.gemv_jit`'s dot product, the page's rows as the weight and the block's query rows as x:
+  sixteen partial sums over the elements i = j mod 16 in order, added left to right, then times scale;
+- the softmax's max and sum run over the rows in ascending order;
+- o_lat_h[i] is a plain sum over the rows in ascending order, from 0 (`_accumulate`: sixteen columns of four heads
+  held in vector registers while the page's rows stream past, each product added in row order).
+Each (sequence, head) output is computed by one thread, and `prange` only spreads whole (sequence, head block)
+tasks over threads, so the bits depend neither on the thread count nor on the head blocking; no BLAS (its blocking
+depends on its thread count).
 
-The rows read must be finite (the readable form's argument check scans them); the kernel reports per
-sequence whether every value it read was finite, so the caller scans only when one was not and raises the
-readable check's error.
+The rows read must be finite (the readable form's argument check scans them); the kernel reports per sequence
+whether every score it made was finite (a NaN or Inf in a row read makes its score so), so the caller scans only
+when one was not and raises the readable check's error.
 
 It runs on `k3ref.threads.compute_threads()` threads (K3_THREADS, else numba's own count).
 numba is a base dependency; its functions compile on first call (cached on disk by `cache=True`).
@@ -24,70 +28,114 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from ..threads import compute_threads, numba_threads
 from . import forked_after_numba
+from .gemv_jit import LANES, ROWS, _tile1, _tile2, _tile3, _tile4, vector
 
-# Heads per task: their query rows (HEAD_BLOCK x 576 values) stay in L1/L2 while every cache row is read
-# once per block; speed only (each head's arithmetic does not depend on it).
+# Heads per task: their query rows (HEAD_BLOCK x 576 values) stay in L1/L2 while every page is read once per
+# block; speed only (each head's arithmetic does not depend on it).
 HEAD_BLOCK = 16
-ROWS = 8        # cache rows scored side by side (one per vector lane)
+HEADS = 4           # heads whose sums `_accumulate` holds in registers at once (speed only)
+AHEAD = 2 * LANES   # `_accumulate` asks for the cache lines this many columns ahead of the ones it reads (speed
+                    # only: float64, 96 heads x 4096 rows, the weighted sum took 26 ms without, 11 ms with)
+
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+
+
+def _prefetch(builder, pointer) -> None:
+    """llvm.prefetch (read, all cache levels) of the line at `pointer`: it never faults, so it may point past an
+    array, and it changes no value."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32,
+                                                                                         _I32]), "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(pointer, _I8.as_pointer()), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                      ir.Constant(_I32, 1)])
+
+
+@intrinsic
+def _accumulate(typingctx, rows, p, o, n, h0, c0):
+    """o[h, c0:c0+LANES] += p[h, j] rows[j, c0:c0+LANES] for j = 0, 1, ..., n-1 in that order, for the HEADS heads
+    from h0: each head's LANES sums stay in one vector register while the rows go by. Heads past the last are
+    computed as copies of it (loaded, summed and stored alike: the same value, written again). rows [page, W],
+    p [heads, page], o [heads, R]; c0 + LANES <= R <= W, n <= page (checked by the caller)."""
+    if any(a.layout != "C" for a in (rows, p, o)):
+        return None                                   # the IR walks raw pointers: a strided view fails to type
+    sig = types.void(rows, p, o, n, h0, c0)
+
+    def codegen(context, builder, signature, args):
+        ar, ap, ao = (context.make_array(ty)(context, builder, a)
+                      for ty, a in zip(signature.args[:3], args[:3], strict=True))
+        n, h0, c0 = args[3:]
+        element = context.get_value_type(signature.args[0].dtype)
+        wide = vector(element)
+        lines = range(0, LANES, 512 // signature.args[0].dtype.bitwidth)   # the chunk's cache lines (64 bytes)
+        W = builder.extract_value(ar.shape, 1)
+        H, page = (builder.extract_value(ap.shape, i) for i in (0, 1))
+        R = builder.extract_value(ao.shape, 1)
+        last = builder.sub(H, ir.Constant(_I64, 1))
+        heads = [builder.add(h0, ir.Constant(_I64, g)) for g in range(HEADS)]
+        heads = [builder.select(builder.icmp_signed("<", h, H), h, last) for h in heads]
+        o_at = [builder.bitcast(builder.gep(ao.data, [builder.add(builder.mul(h, R), c0)]), wide.as_pointer())
+                for h in heads]
+        p_rows = [builder.gep(ap.data, [builder.mul(h, page)]) for h in heads]
+        sums = [cgutils.alloca_once_value(builder, builder.load(at, align=1)) for at in o_at]
+        with cgutils.for_range(builder, n) as loop:
+            at = builder.add(builder.mul(loop.index, W), c0)
+            for line in lines:
+                _prefetch(builder, builder.gep(ar.data, [builder.add(at, ir.Constant(_I64, AHEAD + line))]))
+            row = builder.load(builder.bitcast(builder.gep(ar.data, [at]), wide.as_pointer()), align=1)
+            for p_row, acc in zip(p_rows, sums, strict=True):
+                weight = builder.insert_element(ir.Constant(wide, ir.Undefined),
+                                                builder.load(builder.gep(p_row, [loop.index])), ir.Constant(_I32, 0))
+                weight = builder.shuffle_vector(weight, weight, ir.Constant(vector(_I32), [0] * LANES))
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(weight, row)), acc)
+        for at, acc in zip(o_at, sums, strict=True):
+            builder.store(builder.load(acc), at, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(cache=True, inline="always")
-def _gather_tile(kv_cache, table_row, j0, L, tile):
-    """tile[i, k] = row j0 + k of the sequence (column i), for the ROWS rows from j0 (zeros past L); returns
-    whether every value gathered was finite."""
-    page = kv_cache.shape[1]
-    finite = True
-    for k in range(ROWS):
-        j = j0 + k
-        if j < L:
-            row = kv_cache[table_row[j // page], j % page]
-            for i in range(row.shape[0]):
-                tile[i, k] = row[i]
-                finite &= np.isfinite(row[i])
-        else:
-            tile[:, k] = 0
-    return finite
-
-
-@numba.njit(cache=True, inline="always")
-def _scores(q, tile, acc):
-    """acc[k] = sum_i q[i] tile[i, k] for the ROWS columns, each a plain sum in ascending i: the ROWS sums run
-    side by side in the lanes of a vector (an element-wise update per i), so nothing is reordered."""
-    acc[:] = 0
-    for i in range(q.shape[0]):
-        x = q[i]
-        for k in range(ROWS):
-            acc[k] += x * tile[i, k]
-
-
-@numba.njit(cache=True, inline="always")
-def _axpy(p, x, y, n):
-    """y[:n] += p x[:n], element by element (no sum across lanes: vectorises without reordering)."""
-    for i in range(n):
-        y[i] += p * x[i]
+def _score_page(rows, xq, out):
+    """out[h, r] = rows[r] . xq[h] for every row of the page and every head of the block, in gemv_jit's order
+    (tiles of ROWS rows and up to 4 heads; rows past seq_len are scored too and never used)."""
+    nh = xq.shape[0]
+    for r0 in range(0, rows.shape[0], ROWS):
+        t0 = 0
+        while t0 < nh:
+            m = min(4, nh - t0)
+            if m == 4:
+                _tile4(rows, xq, out, r0, t0)
+            elif m == 3:
+                _tile3(rows, xq, out, r0, t0)
+            elif m == 2:
+                _tile2(rows, xq, out, r0, t0)
+            else:
+                _tile1(rows, xq, out, r0, t0)
+            t0 += m
 
 
 @numba.njit(cache=True)
 def _head_block(q_abs, kv_cache, table_row, L, scale, kv_rank, b, h0, h1, o_lat):
-    """Heads h0..h1-1 of sequence b: o_lat[b, h] for each; returns whether every row value read is finite."""
-    page = kv_cache.shape[1]
-    W = kv_cache.shape[2]
+    """Heads h0..h1-1 of sequence b: o_lat[b, h] for each; returns whether every score is finite."""
+    page, W = kv_cache.shape[1], kv_cache.shape[2]
     nh = h1 - h0
+    pages = (L + page - 1) // page
+    xq = np.zeros((nh, (W + LANES - 1) // LANES * LANES), q_abs.dtype)   # padded with zeros, as gemv_jit reads x
+    xq[:, :W] = q_abs[b, h0:h1]
     s = np.empty((nh, L), q_abs.dtype)
+    buf = np.empty((nh, page), q_abs.dtype)
     finite = True
-    zero = scale - scale                                 # 0 in the compute dtype
-    tile = np.empty((W, ROWS), q_abs.dtype)
-    part = np.empty(ROWS, q_abs.dtype)
-    for j0 in range(0, L, ROWS):                         # pass 1: scores, in the readable form's order of ops
-        finite &= _gather_tile(kv_cache, table_row, j0, L, tile)
-        n = min(ROWS, L - j0)
+    for pg in range(pages):                              # pass 1: scores, page by page
+        _score_page(kv_cache[table_row[pg]], xq, buf)
         for h in range(nh):
-            _scores(q_abs[b, h0 + h], tile, part)
-            for k in range(n):
-                s[h, j0 + k] = part[k] * scale
+            for k in range(min(page, L - pg * page)):
+                s[h, pg * page + k] = buf[h, k] * scale
+                finite &= np.isfinite(s[h, pg * page + k])
     for h in range(nh):                                  # stable softmax per head, normalised before the sum
         m = s[h, 0]
         for j in range(1, L):
@@ -99,12 +147,21 @@ def _head_block(q_abs, kv_cache, table_row, L, scale, kv_rank, b, h0, h1, o_lat)
             total += s[h, j]
         for j in range(L):
             s[h, j] = s[h, j] / total
-    for h in range(nh):
-        o_lat[b, h0 + h, :] = zero
-    for j in range(L):                                   # pass 2: weighted sum of latent rows, j ascending
-        row = kv_cache[table_row[j // page], j % page]
+    o = np.zeros((nh, kv_rank), q_abs.dtype)
+    full = kv_rank // LANES * LANES                      # columns in whole vectors; the rest one at a time
+    for pg in range(pages):                              # pass 2: weighted sum of latent rows, rows ascending
+        n = min(page, L - pg * page)
+        rows = kv_cache[table_row[pg]]
         for h in range(nh):
-            _axpy(s[h, j], row, o_lat[b, h0 + h], kv_rank)
+            buf[h, :n] = s[h, pg * page:pg * page + n]
+        for c0 in range(0, full, LANES):
+            for hh in range(0, nh, HEADS):
+                _accumulate(rows, buf, o, n, hh, c0)
+        for h in range(nh):
+            for j in range(n):
+                for i in range(full, kv_rank):
+                    o[h, i] += buf[h, j] * rows[j, i]
+    o_lat[b, h0:h1, :] = o
     return finite
 
 

@@ -120,3 +120,20 @@ def test_bad_page_id_raises_before_the_kernel(inputs):
     table[0, 0] = kv.shape[0]
     with pytest.raises(ValueError, match=r"block_table\[0\]: expected page ids in"):
         mla.mla_decode_core(q, kv, table, lens, scale=SCALE, kv_rank=R)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_latent_width_off_the_vector_width(dtype):
+    """A latent width that is no multiple of 16 (its last columns summed one at a time) and a row width that is no
+    multiple of 16 (the scores' ragged tail): both dtypes against the readable form, 5 heads (one group of four
+    and one head alone)."""
+    rng = np.random.default_rng(7)
+    rank, rope = 40, 9
+    kv, table = paged_latent_cache(rng, [1, 63, 130], rank + rope, PAGE)
+    q = rng.standard_normal((3, 5, rank + rope))
+    lens = np.array([1, 63, 130], np.int32)
+    want = mla.mla_decode_readable(q, kv, table, lens, scale=SCALE, kv_rank=rank)
+    out = mla.mla_decode_core(q.astype(dtype), kv.astype(dtype), table, lens, scale=SCALE, kv_rank=rank)
+    assert out.dtype == dtype and out.shape == (3, 5, rank)
+    gate = tol("fp64_same_math") if dtype == np.float64 else tol("fp32_vs_fp64")
+    assert max(rel_rms(out[b], want[b]) for b in range(3)) <= gate
