@@ -30,12 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 THREADS = (1, 2, 4)
 # OpenBLAS kernels to try, newest instruction sets first; one the CPU cannot run dies with SIGILL and is skipped.
 CORE_TYPES = ("Haswell", "Zen", "SkylakeX", "Sandybridge", "Nehalem", "Prescott")
-# Outputs that no BLAS call computes: they must be identical on every core type too. The KDA decode core and the
-# float64 chunked prefill run compiled, BLAS-free kernels by default (k3ref.fast.kda_jit); the float32 chunked
-# prefill (the NumPy WY form) and the host graph's logits (projections, lm_head, AttnRes, MLA, the experts) still
-# go through BLAS, so they are listed, not asserted. An output moves in here when its path stops calling BLAS.
-BLAS_FREE = frozenset({"kda_chunked.o.float64", "kda_chunked.S.float64"}
-                      | {f"kda_decode_core.{part}.{dt}" for part in ("o", "S") for dt in ("float32", "float64")})
+# Outputs that no BLAS call computes: they must be identical on every core type too. The compiled kernels (GEMV,
+# MXFP4 experts, MLA decode), the KDA decode core and the float64 chunked prefill (k3ref.fast.kda_jit) call no
+# BLAS; the float32 chunked prefill (the NumPy WY form) and the host graph's logits (float32: MLA, AttnRes and
+# the KDA prefill; float64: every projection too) still go through BLAS, so they are listed, not asserted. An
+# output moves in here when its path stops calling BLAS.
+BLAS_FREE = frozenset({"kda_chunked.o.float64", "kda_chunked.S.float64", "gemv.float32_weight.float32"}
+                      | {f"{out}.{dt}" for dt in ("float32", "float64")
+                         for out in ("kda_decode_core.o", "kda_decode_core.S", "gemv.bf16_weight.one_row",
+                                     "gemv.bf16_weight.five_rows", "mxfp4_experts", "mla_decode_compiled")})
 NO_FMA_CORE = "Sandybridge"   # AVX without FMA: its GEMMs round every product, unlike this CPU's own kernel
 PROBE_TIMEOUT_S = 240
 # glibc picks FMA variants of exp, log, pow... at run time (ifuncs); these hide FMA and AVX2 from it, as on an older
@@ -64,6 +67,31 @@ def _decode_inputs(dt, B=2, H=8, K=128, V=128, seed=1):
     return tuple(a.astype(dt) for a in (q, k, v, g_raw, beta_raw, A_log, dt_bias, state))
 
 
+def _compiled_kernels(dt, outputs: dict[str, np.ndarray]) -> None:
+    """The compiled kernels called directly, each large enough to run on numba's threads: the GEMV (one row of x,
+    weight row by weight row; five rows, in tiles), the MXFP4 experts and the compiled MLA decode."""
+    from k3ref.fast import gemv_jit, mla_jit, mxfp4_jit  # noqa: PLC0415 -- see probe
+
+    name = np.dtype(dt).name
+    rng = np.random.default_rng(2)
+    w32 = rng.standard_normal((1024, 1024)).astype(np.float32)                          # 4 MB: threaded
+    bf16 = (w32.view(np.uint32) >> 16).astype(np.uint16)                                 # 2 MB of bf16 bits
+    x = rng.standard_normal((5, 1024)).astype(dt)
+    outputs[f"gemv.bf16_weight.one_row.{name}"] = gemv_jit.linear_jit(x[:1], bf16)
+    outputs[f"gemv.bf16_weight.five_rows.{name}"] = gemv_jit.linear_jit(x, bf16)
+    if dt == np.float32:
+        outputs["gemv.float32_weight.float32"] = gemv_jit.linear_jit(x[:1], w32)
+    packed = [rng.integers(0, 256, (256, 512), dtype=np.uint8) for _ in range(4)]         # 4 experts, 0.56 MB
+    scale = [rng.integers(118, 126, (256, 32), dtype=np.uint8) for _ in range(4)]
+    starts, rows_of = np.array([0, 2, 4, 6, 8]), np.array([0, 1, 1, 2, 0, 2, 1, 0])
+    outputs[f"mxfp4_experts.{name}"] = mxfp4_jit.experts_gemv(packed, scale, x[:3], starts, rows_of,
+                                                              np.empty((8, 256), dt))
+    kv = rng.standard_normal((8, 64, 576)).astype(dt)                                    # 8 pages of 64 rows
+    table, lens = np.array([[3, 0, 6, 1, 5], [7, 2, 4, 4, 4]]), np.array([300, 70])
+    q = rng.standard_normal((2, 32, 576)).astype(dt)                                     # 2 head blocks each
+    outputs[f"mla_decode_compiled.{name}"] = mla_jit.mla_decode(q, kv, table, lens, 0.04, 512)[0]
+
+
 def probe(out: str) -> None:
     """Run in the child: every output into `out` (.npz), one JSON line {name: sha256} on stdout."""
     # the references are imported here, after the child's environment has sized the thread pools
@@ -74,6 +102,7 @@ def probe(out: str) -> None:
     outputs: dict[str, np.ndarray] = {}
     for dt in (np.float32, np.float64):
         name = np.dtype(dt).name
+        _compiled_kernels(dt, outputs)
         q, k, v, g, beta = _kda_inputs(dt)
         o, S = kda_chunked(q, k, v, g, beta, use_qk_l2norm=True)
         outputs[f"kda_chunked.o.{name}"], outputs[f"kda_chunked.S.{name}"] = o, S
