@@ -238,10 +238,11 @@ def check_decode_args(q_abs: np.ndarray, kv_cache: np.ndarray, block_table, seq_
     return (B, H, W), pages
 
 
-# The compiled decode (k3ref.fast.mla_jit) is BLAS-free and gives the same bits on any thread count and CPU. On one
-# core, 96 heads x 4096 rows, it takes 13.2 ms in float32 where the readable form's BLAS calls take 12.7 ms, but
-# 40 ms in float64 against 24 ms (docs/measurements.md), so it runs only when asked for: the float64 goldens and
-# the host graph keep BLAS's sums until its float64 score pass matches BLAS.
+# The compiled decode (k3ref.fast.mla_jit) is BLAS-free: the same bits on any thread count and BLAS core type (its
+# softmax's exp is libm's, whose float64 bits move where the CPU lacks FMA: 39 of 32,768 elements, up to 16 ulp,
+# tests/k3ref/test_same_bits.py). On one core, 96 heads x 4096 rows, it takes 13.2 ms in float32 where the readable
+# form's BLAS calls take 12.7 ms, but 40 ms in float64 against 24 ms (docs/measurements.md), so it runs only when
+# asked for: the float64 goldens and the host graph keep BLAS's sums until its float64 score pass matches BLAS.
 COMPILED_DECODE = False
 
 
