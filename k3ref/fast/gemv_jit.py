@@ -55,6 +55,12 @@ def vector(element) -> ir.VectorType:
     return ir.VectorType(element, LANES)
 
 
+def splat(builder, value):
+    """`value` in every one of LANES lanes (here in `mla_jit` and `mxfp4_jit`)."""
+    v = builder.insert_element(ir.Constant(vector(value.type), ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(vector(_I32), [0] * LANES))
+
+
 def fold_lanes(builder, vectors):
     """lane 0 + lane 1 + ... of the first vector, then of the next, left to right: the final sum of the stated
     order (here and in `mxfp4_jit`)."""
@@ -149,27 +155,34 @@ _row = _tile(1, 1)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def tile_rows(w, x, out, r0, most):  # pragma: no cover -- compiled; see linear_jit
+    """out[t, r] = w[r] . x[t] for the ROWS weight rows from r0 and every row of x, in tiles of at most `most`
+    (1-4) rows of x (here and in `mla_jit`'s score pass)."""
+    M = x.shape[0]
+    t0 = 0
+    while t0 < M:
+        n = min(most, M - t0)
+        if n == 4:
+            _tile4(w, x, out, r0, t0)
+        elif n == 3:
+            _tile3(w, x, out, r0, t0)
+        elif n == 2:
+            _tile2(w, x, out, r0, t0)
+        else:
+            _tile1(w, x, out, r0, t0)
+        t0 += n
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
     """One work item: weight rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x, in tiles of ROWS
     weight rows and at most `most` rows of x; `most` = 0: one row of x against one weight row at a time."""
-    M = x.shape[0]
     if most == 0:
         for r in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0])):
             _row(w, x, out, r, 0)
         return
     for r0 in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0]), ROWS):
-        t0 = 0
-        while t0 < M:
-            n = min(most, M - t0)
-            if n == 4:
-                _tile4(w, x, out, r0, t0)
-            elif n == 3:
-                _tile3(w, x, out, r0, t0)
-            elif n == 2:
-                _tile2(w, x, out, r0, t0)
-            else:
-                _tile1(w, x, out, r0, t0)
-            t0 += n
+        tile_rows(w, x, out, r0, most)
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)

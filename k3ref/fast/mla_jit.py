@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from ..threads import compute_threads, numba_threads
 from . import forked_after_numba
-from .gemv_jit import LANES, ROWS, _tile1, _tile2, _tile3, _tile4, vector
+from .gemv_jit import LANES, ROWS, splat, tile_rows, vector
 
 # Heads per task: their query rows (HEAD_BLOCK x 576 values) stay in L1/L2 while every page is read once per
 # block; speed only (each head's arithmetic does not depend on it).
@@ -88,9 +88,7 @@ def _accumulate(typingctx, rows, p, o, n, h0, c0):
                 _prefetch(builder, builder.gep(ar.data, [builder.add(at, ir.Constant(_I64, AHEAD + line))]))
             row = builder.load(builder.bitcast(builder.gep(ar.data, [at]), wide.as_pointer()), align=1)
             for p_row, acc in zip(p_rows, sums, strict=True):
-                weight = builder.insert_element(ir.Constant(wide, ir.Undefined),
-                                                builder.load(builder.gep(p_row, [loop.index])), ir.Constant(_I32, 0))
-                weight = builder.shuffle_vector(weight, weight, ir.Constant(vector(_I32), [0] * LANES))
+                weight = splat(builder, builder.load(builder.gep(p_row, [loop.index])))
                 builder.store(builder.fadd(builder.load(acc), builder.fmul(weight, row)), acc)
         for at, acc in zip(o_at, sums, strict=True):
             builder.store(builder.load(acc), at, align=1)
@@ -103,20 +101,8 @@ def _accumulate(typingctx, rows, p, o, n, h0, c0):
 def _score_page(rows, xq, out):
     """out[h, r] = rows[r] . xq[h] for every row of the page and every head of the block, in gemv_jit's order
     (tiles of ROWS rows and up to 4 heads; rows past seq_len are scored too and never used)."""
-    nh = xq.shape[0]
     for r0 in range(0, rows.shape[0], ROWS):
-        t0 = 0
-        while t0 < nh:
-            m = min(4, nh - t0)
-            if m == 4:
-                _tile4(rows, xq, out, r0, t0)
-            elif m == 3:
-                _tile3(rows, xq, out, r0, t0)
-            elif m == 2:
-                _tile2(rows, xq, out, r0, t0)
-            else:
-                _tile1(rows, xq, out, r0, t0)
-            t0 += m
+        tile_rows(rows, xq, out, r0, 4)
 
 
 @numba.njit(cache=True)

@@ -32,7 +32,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import forked_after_numba
-from .gemv_jit import LANES, fold_lanes, vector
+from .gemv_jit import LANES, fold_lanes, splat, vector
 
 # LANES (16) is also the partial sums per nibble parity here: one group of 16 bytes adds once to each lane.
 
@@ -92,10 +92,6 @@ def _group_weights(builder, table, packed16, permute: bool, opaque: bool):
     (exact: the E2M1 value), times the group's scale (table[2] = 1.0 x scale: one float32 multiply, as
     `dequantize` does). With `opaque`, each looked-up vector passes through an empty inline-asm statement:
     without it, widening to float64 makes LLVM split the lookup in halves and lower one as scalar moves."""
-    def splat(value, element):
-        v = builder.insert_element(ir.Constant(vector(element), ir.Undefined), value, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(vector(_I32), [0] * LANES))
-
     def ints(v: int):
         return ir.Constant(vector(_I32), [v] * LANES)
 
@@ -109,8 +105,8 @@ def _group_weights(builder, table, packed16, permute: bool, opaque: bool):
         if opaque:
             weights = [builder.asm(ir.FunctionType(w.type, [w.type]), "", "=v,0", [w], False) for w in weights]
         return weights
-    two_126 = splat(ir.Constant(_F32, 2.0 ** 126), _F32)
-    scale = splat(builder.extract_element(table, ir.Constant(_I32, 2)), _F32)
+    two_126 = splat(builder, ir.Constant(_F32, 2.0 ** 126))
+    scale = splat(builder, builder.extract_element(table, ir.Constant(_I32, 2)))
     low = builder.or_(field(0x07, 22), field(0x08, 28))          # magnitude e m -> e << 23 | m << 22, sign -> 31
     high = builder.or_(field(0x70, 18), field(0x80, 24))
     return [builder.fmul(builder.fmul(builder.bitcast(bits, vector(_F32)), two_126), scale) for bits in (low, high)]
