@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from .checks import as_float, check_shape, is_finite_real, require
-from .ops import softmax
+from .ops import mean_square, softmax
 from .threads import fixed_blas
 
 
@@ -60,7 +60,7 @@ def attnres_softmax_mix(sources, proj_w: np.ndarray, norm_w: np.ndarray, eps: fl
     V = _as_sources(sources)
     D = V.shape[-1]
     q = _as_query(proj_w, norm_w, D, V.dtype)
-    k = V / np.sqrt(np.mean(V * V, axis=-1, keepdims=True) + eps)
+    k = V / np.sqrt(mean_square(V) + eps)
     alpha = softmax(k @ q, axis=0)                           # [S, ...]
     return np.sum(alpha[..., None] * V, axis=0)
 
@@ -86,7 +86,10 @@ def attnres_mix(sources, proj_w: np.ndarray, norm_w: np.ndarray, mix: float = 1.
     sources: [S, ..., D]; proj_w: [D] or [1, D]; norm_w: [D] -> [..., D].
     """
     V = _as_sources(sources)
-    return attnres_blend(np.sum(V, axis=0), attnres_softmax_mix(V, proj_w, norm_w, eps), mix)
+    mixed = attnres_softmax_mix(V, proj_w, norm_w, eps)
+    if is_finite_real(mix) and float(mix) == 1.0:
+        return as_float("mixed", mixed)                      # attnres_blend's answer, the skip not summed
+    return attnres_blend(np.sum(V, axis=0), mixed, mix)
 
 
 class MixCores(Protocol):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import mla  # called as mla.<step>: a test that patches one step of the module sees it used here
+from . import fast, mla  # mla called as mla.<step>: a test that patches one step of the module sees it used here
 from .cache import HybridCache
 from .checks import is_finite_real, require
 from .config import K3Config
@@ -151,8 +151,8 @@ class K3CpuModel:
         return cls(cfg, CheckpointWeights(reader, store_kind(reader)), dtype, layers=layers, keep_casts=keep_casts)
 
     def layer(self, i: int) -> ModuleView:
-        require(i in self.layers, f"layer: expected one of the layers this model runs "
-                                  f"({_span(self.layers)}), found {i}")
+        if i not in self.layers:                 # (asked per layer and token: the message is built on failure only)
+            raise ValueError(f"layer: expected one of the layers this model runs ({_span(self.layers)}), found {i}")
         return ModuleView(self.weights, layer_prefix(i), self.dtype, self._cast)
 
     def globals(self) -> ModuleView:
@@ -337,17 +337,18 @@ def forward_tokens(model: K3CpuModel, tokens, cache: HybridCache, *, seq: int = 
     require(not prefill or cache.seq_len(seq) == 0,
             f"prefill: expected an empty sequence {seq}, found {cache.seq_len(seq)} cached tokens")
     ctx = ForwardContext(model, cores, seq, prefill, ablation)
-    hub = cores.attnres_hub(model.cfg.attn_res_block_size, eps=model.cfg.rms_norm_eps)
-    hub.start(embed(model, tokens))
-    for spec in model.graph.layers:
-        if spec.index not in model.layers:
-            continue
-        before = hub.copy() if recorder else None
-        hub, cache, rec = forward_one_layer(ctx, spec.index, hub, cache)
-        if recorder:
-            recorder(spec.index, before, rec)
-    cache.advance(seq, len(tokens))
-    return final_logits(ctx, hub)
+    with fast.held():                                  # K3_FAST read once for the whole forward
+        hub = cores.attnres_hub(model.cfg.attn_res_block_size, eps=model.cfg.rms_norm_eps)
+        hub.start(embed(model, tokens))
+        for spec in model.graph.layers:
+            if spec.index not in model.layers:
+                continue
+            before = hub.copy() if recorder else None
+            hub, cache, rec = forward_one_layer(ctx, spec.index, hub, cache)
+            if recorder:
+                recorder(spec.index, before, rec)
+        cache.advance(seq, len(tokens))
+        return final_logits(ctx, hub)
 
 
 def forward_token(model: K3CpuModel, token: int, pos: int, cache: HybridCache, *, seq: int = 0,

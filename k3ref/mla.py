@@ -111,7 +111,7 @@ def _checked(y: np.ndarray, name: str, w: np.ndarray) -> np.ndarray:
     """y, a product of weight `name` (values w) with a finite input. Non-finite y raises ValueError at the
     weight's first NaN/Inf (`weights['...']: expected finite values, found nan at index (i, j)`), or, for a
     finite weight, says the product overflowed."""
-    if not np.all(np.isfinite(y)):
+    if not np.isfinite(y).all():
         as_float(f"weights['{name}']", w)                              # raises at the weight's first NaN/Inf
         raise ValueError(f"weights['{name}']: expected finite outputs, found NaN/Inf from finite inputs and "
                          f"weight (overflow in {y.dtype})")
@@ -304,7 +304,7 @@ def _check_cache_rows(rows: np.ndarray, cache: MlaKv, ids: list, cfg: MlaConfig)
     with np.errstate(over="ignore"):                                 # the overflow is reported below
         stored = rows.astype(cache.dtype)
     stored = stored if stored.dtype.kind == "f" else stored.astype(np.float32)   # bfloat16
-    if np.all(np.isfinite(stored)):
+    if np.isfinite(stored).all():
         return
     b, j = (int(i) for i in np.argwhere(~np.isfinite(stored))[0])
     source = ("k_pe = weights['kv_a_proj_with_mqa.weight'] x" if j >= cfg.kv_lora_rank

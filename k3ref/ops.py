@@ -17,8 +17,10 @@ JIT_MAX_ROWS = 64   # rows of x up to which a bf16 weight, or a float32 one time
 def sigmoid(x: np.ndarray) -> np.ndarray:
     """sigma(x) = 1 / (1 + exp(-x)), written so that neither branch overflows. Any shape."""
     x = as_float("x", x, allow_nan=True)
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype)
+    e = np.abs(x, out=np.empty_like(x))                 # one buffer (an array even for a 0-d x):
+    np.exp(np.negative(e, out=e), out=e)                  # e = exp(-|x|)
+    top = np.where(x >= 0, 1.0, e)
+    return np.divide(top, np.add(e, 1.0, out=e), out=e)   # 1 / (1 + e) for x >= 0, e / (1 + e) below
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -41,6 +43,14 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+def mean_square(x: np.ndarray) -> np.ndarray:
+    """mean(x^2) over the last axis, keepdims: the same bits as np.mean(x * x, axis=-1, keepdims=True), which sums
+    in x's dtype and divides by the count as an intp, without np.mean's Python layer (~1.5 us of a ~5 us call,
+    asked ~100 times a decode token)."""
+    s = np.add.reduce(np.multiply(x, x), axis=-1, keepdims=True)
+    return np.true_divide(s, np.intp(x.shape[-1]), out=s, casting="unsafe")
+
+
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm_eps(x; w) = w * x / sqrt(mean(x^2) + eps) over the last axis.
 
@@ -50,7 +60,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     D = x.shape[-1]
     w = as_float("w", w).astype(x.dtype, copy=False)
     check_shape("w", w, (D,))
-    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    inv = 1.0 / np.sqrt(mean_square(x) + eps)
     return (x * inv) * w
 
 

@@ -114,7 +114,7 @@ def mla_decode_fp8(q_abs, kv_fp8, kv_scale, k_pe, block_table, seq_lens, *, scal
         pid, slot = _token_rows(b, L, page, block_table)
         c = dequantize_latent(kv_fp8[pid, slot], kv_scale[pid, slot]).astype(dt, copy=False)    # [L, R]
         rows = np.concatenate([c, k_pe[pid, slot].astype(dt, copy=False)], axis=-1)           # [L, R+P]
-        if not np.all(np.isfinite(rows)):
+        if not np.isfinite(rows).all():
             j = int(np.argwhere(~np.isfinite(rows))[0, 0])
             raise ValueError(f"kv_fp8/kv_scale/k_pe: expected finite rows for batch row {b} (seq_len {L}), found "
                              f"NaN/Inf at its token {j} (page {int(pid[j])}, slot {int(slot[j])})")

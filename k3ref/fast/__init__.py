@@ -9,26 +9,47 @@ tests/k3ref/test_fast.py checks each one against the readable form.
 
 The compiled forms (numba: `k3ref.fast.*_jit`) are the default; environment variable K3_FAST selects them
 ("jit", the default) or the NumPy forms of this package ("numpy"), read on every call so a test or a user may
-switch without re-importing. The readable statements (`k3ref.mxfp4.dequantize`, `k3ref.kda.kda_recurrent`, ...)
+switch without re-importing; inside `held()` (a host-graph forward: ~250 asks a `small` decode token) the value
+read on entering holds. The readable statements (`k3ref.mxfp4.dequantize`, `k3ref.kda.kda_recurrent`, ...)
 never change with it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+from collections.abc import Iterator
 
 BACKENDS = ("jit", "numpy")
+_HELD = threading.local()   # .backend: the value `held()` read on entering, per thread
 
 
 def backend() -> str:
     """The fast-path backend K3_FAST names: "jit" (unset or empty: the default) or "numpy"; anything else raises
-    ValueError naming the accepted values."""
+    ValueError naming the accepted values. Inside `held()`, the value read when the block was entered."""
+    held_now = getattr(_HELD, "backend", None)
+    if held_now is not None:
+        return held_now
     raw = os.environ.get("K3_FAST", "").strip().lower()
     if not raw:
         return "jit"
     if raw not in BACKENDS:
         raise ValueError(f"K3_FAST: expected one of {', '.join(BACKENDS)} (or unset for jit), found {raw!r}")
     return raw
+
+
+@contextlib.contextmanager
+def held() -> Iterator[str]:
+    """Read K3_FAST once and answer `backend()` with that value inside the block, on this thread (nested blocks keep
+    the outer value). Why: reading the environment costs ~3 us, and one forward asks hundreds of times; a forward
+    is one decision, so K3_FAST changed while it runs takes effect at the next."""
+    outer = getattr(_HELD, "backend", None)
+    _HELD.backend = outer if outer is not None else backend()
+    try:
+        yield _HELD.backend
+    finally:
+        _HELD.backend = outer
 
 
 def enabled() -> bool:

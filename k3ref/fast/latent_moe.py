@@ -21,7 +21,9 @@ def fits_one_batch(n_experts: int, latent_size: int, intermediate_size: int) -> 
     return n_experts * latent_size * intermediate_size * 4 <= BATCH_BYTES
 
 
-ExpertTensors = dict[str, tuple[np.ndarray, np.ndarray]]   # "w1" | "w2" | "w3" -> (packed, scale)
+# "w1" | "w2" | "w3" -> (packed, scale); optionally "at" -> {projection: (packed's, scale's) address or None}
+ExpertTensors = dict[str, tuple]
+addresses = mxfp4_jit.addresses
 
 
 def one_token_experts(tensors: dict[int, ExpertTensors], z: np.ndarray, latent_size: int, intermediate_size: int,
@@ -50,15 +52,15 @@ def expert_pairs(idx: np.ndarray, w: np.ndarray, chosen: list[int]) -> tuple[np.
     """The (token, expert) pairs of the experts in `chosen` (ascending), grouped by expert, tokens ascending
     within one: idx int [T, k], w [T, k] -> (starts int64 [len(chosen) + 1], tokens int64 [P], weights [P]).
     A token then meets its experts in ascending order, as `k3ref.latent_moe.mix_routed_experts` adds them."""
-    starts, toks, ws = [0], [], []
-    for e in chosen:
-        tok, slot = np.nonzero(idx == e)
-        toks.append(tok)
-        ws.append(w[tok, slot])
-        starts.append(starts[-1] + len(tok))
-    toks_all = np.concatenate(toks).astype(np.int64, copy=False) if toks else np.zeros(0, np.int64)
-    ws_all = np.concatenate(ws).astype(w.dtype, copy=False) if ws else np.zeros(0, w.dtype)
-    return np.array(starts, np.int64), toks_all, ws_all
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")            # by expert; a stable sort keeps tokens ascending within one
+    chosen_ids = np.asarray(chosen, flat.dtype)
+    order = order[np.isin(flat[order], chosen_ids)]
+    bounds = np.searchsorted(flat[order], chosen_ids, side="left")
+    starts = np.append(bounds, len(order)).astype(np.int64)
+    toks, slots = np.divmod(order, k)
+    return starts, toks.astype(np.int64, copy=False), w[toks, slots].astype(w.dtype, copy=False)
 
 
 def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray, idx: np.ndarray,
@@ -76,9 +78,15 @@ def routed_pairs_jit(tensors: list[ExpertTensors], z: np.ndarray, w: np.ndarray,
     P = len(toks)
 
     def project(proj: str, x: np.ndarray, rows_of: np.ndarray) -> np.ndarray:
-        out = np.empty((P, tensors[0][proj][0].shape[0]), z.dtype)
+        packed = tensors[0][proj][0]
+        out = np.empty((P, packed.shape[0]), z.dtype)
+        at = [t["at"][proj] for t in tensors if "at" in t]              # taken when the experts were checked
+        if len(at) == len(tensors) and None not in at:
+            where = np.array(at, np.int64).T.copy()                  # [2, n]: packed's row, scale's row
+            return mxfp4_jit.experts_gemv_at(where[0], where[1], packed.shape[0], 2 * packed.shape[1], x, starts,
+                                             rows_of, out)
         return mxfp4_jit.experts_gemv([t[proj][0] for t in tensors], [t[proj][1] for t in tensors], x, starts,
-                                         rows_of, out)
+                                      rows_of, out)
 
     gate = project("w1", z, toks)
     up = project("w3", z, toks)

@@ -219,13 +219,33 @@ def experts_gemv(packed: list[np.ndarray], scale: list[np.ndarray], x: np.ndarra
                          f"[{R}, {K // 32}] (the kernel reads that many bytes at each address), found "
                          f"{[a.shape for a in held]}")
     at = np.array([a.ctypes.data for a in held], np.int64)
-    xe, xo = split_inputs(x)
-    threaded = (n * (held[0].nbytes + held[n].nbytes) >= THREADS_MIN_BYTES
-                and not forked_after_numba())                       # a forked child: serial only
-    kernel = _experts_gemv_threads if threaded else _experts_gemv_one
-    kernel(at[:n], at[n:], R, K, GROUP_TABLES, xe, xo, starts, rows_of, out)
+    experts_gemv_at(at[:n], at[n:], R, K, x, starts, rows_of, out)
     del held
     return out
+
+
+def experts_gemv_at(at_packed: np.ndarray, at_scale: np.ndarray, R: int, K: int, x: np.ndarray, starts: np.ndarray,
+                    rows_of: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`experts_gemv` for experts given by address: at_packed[j], at_scale[j] (int64) are the data addresses of
+    expert j's C-contiguous packed u8 [R, K/2] and scale u8 [R, K/32], which the caller has checked and keeps alive
+    until this returns (`addresses` takes them once for a model's experts: ~1 us an array, 16 arrays a
+    projection). Returns out."""
+    if len(at_packed) == 0:
+        return out
+    xe, xo = split_inputs(x)
+    threaded = (len(at_packed) * (R * K // 2 + R * K // 32) >= THREADS_MIN_BYTES
+                and not forked_after_numba())                       # a forked child: serial only
+    kernel = _experts_gemv_threads if threaded else _experts_gemv_one
+    kernel(at_packed, at_scale, R, K, GROUP_TABLES, xe, xo, starts, rows_of, out)
+    return out
+
+
+def addresses(packed: np.ndarray, scale: np.ndarray) -> tuple[int, int] | None:
+    """(packed's, scale's) data addresses for `experts_gemv_at`, or None when either is not C-contiguous (the kernel
+    walks rows by pointer: such an expert goes through `experts_gemv`, which copies it)."""
+    if not (packed.flags.c_contiguous and scale.flags.c_contiguous):
+        return None
+    return packed.ctypes.data, scale.ctypes.data
 
 
 def gemv(packed: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -8,8 +8,8 @@ import functools
 import numpy as np
 import pytest
 
+from k3ref import fast, mxfp4
 from k3ref import latent_moe as lm
-from k3ref import mxfp4
 from k3ref.fast import kda as kda_fast
 from k3ref.fast import latent_moe as moe_fast
 from k3ref.fast import mxfp4 as mxfp4_fast
@@ -118,6 +118,25 @@ def test_one_token_experts_equal_routed_expert_one_at_a_time(monkeypatch):
     assert sorted(got) == chosen
     for e in chosen:
         assert np.array_equal(got[e], lm.routed_expert(weights, e, z, cfg)), e
+
+
+def test_held_reads_k3_fast_once_for_the_block(monkeypatch):
+    """Inside `held()` the backend read on entering holds (nested blocks keep it); outside, every call reads the
+    environment; an unknown value is refused when the block is entered."""
+    monkeypatch.setenv("K3_FAST", "jit")
+    with fast.held() as chosen:
+        monkeypatch.setenv("K3_FAST", "numpy")
+        assert chosen == "jit" and fast.backend() == "jit" and fast.enabled()
+        with fast.held() as inner:
+            assert inner == "jit"
+        assert fast.backend() == "jit"
+    assert fast.backend() == "numpy" and not fast.enabled()
+    monkeypatch.setenv("K3_FAST", "cuda")
+    with pytest.raises(ValueError, match="K3_FAST: expected one of jit, numpy"):
+        with fast.held():
+            pass
+    monkeypatch.setenv("K3_FAST", "numpy")
+    assert fast.backend() == "numpy"
 
 
 def test_fits_one_batch_counts_float32_bytes_of_one_projection():

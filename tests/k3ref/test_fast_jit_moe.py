@@ -4,6 +4,7 @@ NumPy (same bits), and the same bits on 1 and 2 numba threads. K3's expert shape
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from k3ref.config import K3Config
 from k3ref.cpu_forward import K3CpuModel, forward_prefill, forward_token
 from k3ref.cpu_weights import ModuleView, table_matmul, take_rows
 from k3ref.fast import gemv_jit, mxfp4_jit
+from k3ref.fast import latent_moe as moe_fast
 from k3ref.threads import numba_threads
 from k3ref.weights import synthetic_weights
 from tests.support.tolerances import rel_rms, tol
@@ -179,6 +181,49 @@ def test_experts_read_where_they_lie_give_each_experts_own_bits(dtype):
     with pytest.raises(ValueError, match=r"expected every expert's packed \[40, 48\]"):
         mxfp4_jit.experts_gemv([experts[0][0], experts[1][0][:20]], [s for _, s in experts[:2]], x, starts[:3],
                                rows_of[:2], np.empty((2, R), dtype))
+
+
+def test_experts_by_address_give_the_bits_of_the_copying_path():
+    """The pairs form reads experts by the addresses taken when they were checked (`experts_gemv_at`); without
+    them, or with one strided expert (address None), it goes through `experts_gemv`: the same bits each way."""
+    cfg = lm.LatentMoeConfig(hidden_size=24, num_experts=6, top_k=2, latent_size=64, moe_intermediate_size=32,
+                             n_shared_experts=0, shared_intermediate_size=0)
+    rng = np.random.default_rng(9)
+    weights = lm.random_moe_weights(cfg, rng, np.float32)
+    z = rng.standard_normal((3, cfg.latent_size)).astype(np.float32)
+    idx = np.array([[4, 1], [1, 3], [0, 4]], np.int64)
+    w = rng.uniform(0.1, 1.0, (3, 2)).astype(np.float32)
+    chosen = [0, 1, 3, 4]
+    glu = functools.partial(lm.situ_glu, beta=cfg.situ_beta, linear_beta=cfg.linear_beta)
+    checked = [lm._check_expert(weights, e, cfg) for e in chosen]
+    assert all(t["at"]["w2"] == (t["w2"][0].ctypes.data, t["w2"][1].ctypes.data) for t in checked)
+    by_address = moe_fast.routed_pairs_jit(checked, z, w, idx, chosen, glu)
+    copied = moe_fast.routed_pairs_jit([{p: t[p] for p in ("w1", "w3", "w2")} for t in checked], z, w, idx,
+                                       chosen, glu)
+    strided = dict(checked[1], w1=(np.repeat(checked[1]["w1"][0], 2, axis=1)[:, ::2], checked[1]["w1"][1]))
+    strided["at"] = dict(strided["at"], w1=moe_fast.addresses(*strided["w1"]))
+    assert strided["at"]["w1"] is None
+    mixed = moe_fast.routed_pairs_jit([checked[0], strided, *checked[2:]], z, w, idx, chosen, glu)
+    assert np.array_equal(by_address, copied) and np.array_equal(mixed, copied)
+    assert rel_rms(copied, lm.routed_experts(weights, z, w, idx, cfg, cores=None)) == 0.0
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 64, 8), (16, 896, 16), (5, 7, 2)])
+def test_expert_pairs_group_by_expert_with_tokens_ascending(T, E, k):
+    """The pairs of each chosen expert, experts ascending, tokens ascending within one, with the router weight of
+    that (token, slot); an expert left out (another rank's) has no pairs."""
+    rng = np.random.default_rng(T)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, k)).astype(np.float32)
+    present = sorted({int(e) for e in idx.ravel()})
+    for chosen in (present, present[::2]):
+        starts, toks, ws = moe_fast.expert_pairs(idx, w, chosen)
+        assert starts.dtype == toks.dtype == np.int64 and ws.dtype == np.float32
+        assert starts[0] == 0 and starts[-1] == len(toks) == sum(int((idx == e).sum()) for e in chosen)
+        for j, e in enumerate(chosen):
+            tok, slot = np.nonzero(idx == e)
+            assert np.array_equal(toks[starts[j]:starts[j + 1]], tok)
+            assert np.array_equal(ws[starts[j]:starts[j + 1]], w[tok, slot])
 
 
 def test_routed_experts_same_bits_on_one_and_two_threads(k3_moe):
