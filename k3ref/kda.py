@@ -177,6 +177,8 @@ def short_conv(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray | None 
     x: [B, T, C]; weight: [C, 1, W] (as checkpoints store it) or [C, W]; conv_state: [B, C, W-1] (the last
     W-1 inputs per channel, oldest first) or None (zero history) -> (y [B, T, C], new_state [B, C, W-1]).
     y_t[c] = sum_{j=0..W-1} w[c, j] x_{t-W+1+j}[c]; w[:, W-1] hits the current token.
+    The sum below is the statement; by default `k3ref.fast.kda_jit.short_conv_jit` computes it in one compiled call
+    to the same bits (K3_FAST=numpy runs the NumPy form).
     """
     x = as_float("x", x)
     B, T, C = check_shape("x", x, (None, None, None))
@@ -188,11 +190,14 @@ def short_conv(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray | None 
     W = check_shape("weight", w, (C, None))[1]
     require(W >= 1, f"weight: expected a kernel width W >= 1, found shape {w.shape}")
     if conv_state is None:
-        hist = np.zeros((B, W - 1, C), x.dtype)
+        conv_state = np.zeros((B, C, W - 1), x.dtype)
     else:
         conv_state = as_float("conv_state", conv_state)
         check_shape("conv_state", conv_state, (B, C, W - 1))
-        hist = conv_state.astype(x.dtype, copy=False).transpose(0, 2, 1)
+        conv_state = conv_state.astype(x.dtype, copy=False)
+    if fast.enabled():
+        return kda_jit.short_conv_jit(x, w, conv_state)                # the same sums in one compiled call
+    hist = conv_state.transpose(0, 2, 1)
     xp = np.concatenate([hist, x], axis=1)                            # [B, W-1+T, C]; row s is x_{s-W+1}
     y = sum(w[:, j] * xp[:, j:j + T] for j in range(W))              # tap j sees x_{t-W+1+j}
     new_state = np.ascontiguousarray(xp[:, xp.shape[1] - (W - 1):].transpose(0, 2, 1))

@@ -56,7 +56,12 @@ def expert_pairs(idx: np.ndarray, w: np.ndarray, chosen: list[int]) -> tuple[np.
     flat = idx.reshape(-1)
     order = np.argsort(flat, kind="stable")            # by expert; a stable sort keeps tokens ascending within one
     chosen_ids = np.asarray(chosen, flat.dtype)
-    order = order[np.isin(flat[order], chosen_ids)]
+    if len(chosen_ids) and flat.size:
+        held = np.zeros(max(int(flat.max()), int(chosen_ids.max())) + 1, bool)
+        held[chosen_ids] = True                          # the experts taken (under expert parallelism, this rank's)
+        order = order[held[flat[order]]]
+    else:
+        order = order[:0]
     bounds = np.searchsorted(flat[order], chosen_ids, side="left")
     starts = np.append(bounds, len(order)).astype(np.int64)
     toks, slots = np.divmod(order, k)

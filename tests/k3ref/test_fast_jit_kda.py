@@ -226,6 +226,30 @@ def test_float32_prefill_keeps_the_numpy_chunked_form_by_default(rng, monkeypatc
     assert calls == [np.float64]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("B,T,C,W", [(1, 1, 1024, 4), (2, 5, 33, 4), (3, 2, 8, 1), (1, 7, 16, 3)])
+def test_short_conv_compiled_gives_the_numpy_sums_bits(B, T, C, W, dtype, monkeypatch):
+    """The compiled short conv is the readable form's Python sum to the bit, signed zeros included, with and
+    without a history, the weight as checkpoints store it [C, 1, W] or [C, W]; its state is the last W-1 inputs."""
+    rng = np.random.default_rng(B * 100 + T)
+    x = rng.standard_normal((B, T, C)).astype(dtype)
+    x.reshape(-1)[::7] = -0.0                                         # -0 + -0 ... stays -0 only where 0 is not added
+    w = rng.standard_normal((C, 1, W)).astype(dtype)
+    w.reshape(-1)[::5] = 0.0
+    state = rng.standard_normal((B, C, W - 1)).astype(dtype)
+    for weight, hist in ((w, state), (w[:, 0, :], None), (w, state.transpose(0, 2, 1).copy().transpose(0, 2, 1))):
+        monkeypatch.delenv("K3_FAST", raising=False)
+        got = kda.short_conv(x, weight, hist)
+        monkeypatch.setenv("K3_FAST", "numpy")
+        want = kda.short_conv(x, weight, hist)
+        for g, r in zip(got, want, strict=True):
+            assert g.dtype == r.dtype == dtype and g.shape == r.shape
+            assert np.array_equal(g.view(f"i{g.itemsize}"), r.view(f"i{r.itemsize}"))
+    xp = np.concatenate([state.transpose(0, 2, 1), x], axis=1)
+    assert np.array_equal(got[1], np.zeros((B, C, W - 1), dtype) if W == 1 else want[1])
+    assert np.array_equal(kda.short_conv(x, w, state)[1], xp[:, xp.shape[1] - (W - 1):].transpose(0, 2, 1))
+
+
 def test_decode_step_jit_equals_the_numpy_decode_step(rng):
     """The two fast decode steps on the same prepared rows (beta given as [BH, 1], as decode_step takes it)."""
     BH, K, V = 7, 16, 10
