@@ -182,9 +182,9 @@ def _tensor(weights: Mapping, name: str, shape: tuple) -> np.ndarray:
     return a
 
 
-def _check_expert(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _check_expert(weights: Mapping, e: int, cfg: LatentMoeConfig) -> moe_fast.ExpertTensors:
     Dl, Di = cfg.latent_size, cfg.moe_intermediate_size
-    out = {}
+    out: moe_fast.ExpertTensors = {}
     for proj, (rows, cols) in (("w1", (Di, Dl)), ("w3", (Di, Dl)), ("w2", (Dl, Di))):
         packed = _tensor(weights, f"experts.{e}.{proj}.weight_packed", (rows, cols // 2))
         scale = _tensor(weights, f"experts.{e}.{proj}.weight_scale", (rows, cols // 32))
@@ -198,7 +198,7 @@ def _check_expert(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, t
     return out
 
 
-def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _expert_tensors(weights: Mapping, e: int, cfg: LatentMoeConfig) -> moe_fast.ExpertTensors:
     """Expert e's (packed, scale) per projection, shapes and dtypes checked: once per model where the weights
     are a view that keeps its casts (`k3ref.cpu_weights.ModuleView.memo`), else on every layer call."""
     memo = getattr(weights, "memo", None)

@@ -7,6 +7,7 @@ here is the same dot product, in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ def fits_one_batch(n_experts: int, latent_size: int, intermediate_size: int) -> 
 
 
 # "w1" | "w2" | "w3" -> (packed, scale); optionally "at" -> {projection: (packed's, scale's) address or None}
-ExpertTensors = dict[str, tuple]
+ExpertTensors = dict[str, Any]
 addresses = mxfp4_jit.addresses
 
 
