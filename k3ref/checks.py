@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 
+from .fast import scan_jit
+
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -22,23 +24,10 @@ def as_float(name: str, x, *, allow_nan: bool = False) -> np.ndarray:
         if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
             raise ValueError(f"{name}: expected a real floating array, found dtype {a.dtype}")
         a = a.astype(np.float64 if a.dtype.kind == "f" and a.dtype.itemsize >= 8 else np.float32)
-    if not allow_nan and not _scan().all_finite(a):
+    if not allow_nan and not scan_jit.all_finite(a):
         bad = np.argwhere(~np.isfinite(a))[0]
         raise ValueError(f"{name}: expected finite values, found {a[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
     return a
-
-
-def _scan():
-    """k3ref.fast.scan_jit, imported on the first scan (it loads numba; a module that only imports this one,
-    such as the CLI's argument parsing, does not pay for it)."""
-    global _SCAN_MODULE
-    if _SCAN_MODULE is None:
-        from .fast import scan_jit  # noqa: PLC0415 -- see the docstring
-        _SCAN_MODULE = scan_jit
-    return _SCAN_MODULE
-
-
-_SCAN_MODULE = None
 
 
 def check_shape(name: str, a: np.ndarray, expected: tuple) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from k3ref import latent_moe as lm
 from k3ref.fast import kda as kda_fast
 from k3ref.fast import latent_moe as moe_fast
 from k3ref.fast import mxfp4 as mxfp4_fast
+from k3ref.fast import scan_jit
 from k3ref.kda import kda_recurrent, l2norm
 from k3ref.situ import situ_glu
 from tests.support.tolerances import rel_rms, tol
@@ -118,6 +119,24 @@ def test_one_token_experts_equal_routed_expert_one_at_a_time(monkeypatch):
     assert sorted(got) == chosen
     for e in chosen:
         assert np.array_equal(got[e], lm.routed_expert(weights, e, z, cfg)), e
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_answers_as_isfinite_all(dtype):
+    """The compiled scan gives np.isfinite(a).all()'s answer: a NaN or an Inf anywhere (first, last, middle) in
+    arrays of 1-4 dims, C-contiguous or strided (which go to NumPy), 0-d, 5-d and past SMALL elements."""
+    rng = np.random.default_rng(3)
+    shapes = [(1,), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 5), (), (1, 2, 1, 2, 3), (scan_jit.SMALL + 3,)]
+    for shape in shapes:
+        a = rng.standard_normal(shape).astype(dtype)
+        views = [a, a[..., ::2]] if a.ndim else [a]
+        for bad in (np.nan, np.inf, -np.inf):
+            for at in sorted({0, a.size // 2, max(a.size - 1, 0)}):
+                b = a.copy()
+                b.reshape(-1)[at] = bad
+                views += [b, b[..., ::2]] if b.ndim else [b]
+        for v in views:
+            assert scan_jit.all_finite(v) is bool(np.isfinite(v).all()), (shape, v.strides)
 
 
 def test_held_reads_k3_fast_once_for_the_block(monkeypatch):
