@@ -26,7 +26,8 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """SiLU(x) = x * sigma(x). Any shape."""
     x = as_float("x", x, allow_nan=True)
-    return x * sigmoid(x)
+    s = sigmoid(x)
+    return np.multiply(x, s, out=s)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -38,9 +39,9 @@ def softplus(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Stable softmax along `axis`: exp(x - max) / sum(exp(x - max)). -inf entries get weight 0."""
     x = as_float("x", x, allow_nan=True)
-    m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e = np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True))   # np.max and np.sum are these reductions
+    np.exp(e, out=e)                                                      # behind a Python layer (~1.5 us each)
+    return np.divide(e, np.add.reduce(e, axis=axis, keepdims=True), out=e)
 
 
 def mean_square(x: np.ndarray) -> np.ndarray:

@@ -38,3 +38,20 @@ def test_mean_square_is_np_mean_bit_for_bit(dtype, shape):
         got, want = ops.mean_square(view), np.mean(view * view, axis=-1, keepdims=True)
         assert got.dtype == want.dtype == dtype and got.shape == want.shape
         assert np.array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_silu_and_softmax_are_their_plain_statements_bit_for_bit(dtype):
+    rng = np.random.default_rng(5)
+    x = np.concatenate([np.array(SPECIALS), 20 * rng.standard_normal(3 * 7 * 64 - len(SPECIALS))]).astype(dtype)
+    with np.errstate(invalid="ignore"):                                 # silu(-inf) = -inf x 0 = NaN, both ways
+        assert np.array_equal(_bits(ops.silu(x)), _bits(x * ops.sigmoid(x)))
+    logits = (20 * rng.standard_normal((3, 7, 60))).astype(dtype)
+    logits[0, 0, :5] = -np.inf                                        # weight 0
+    logits[1, 2, 7] = np.nan                                          # a NaN row stays NaN
+    for axis in (-1, 0, 1):
+        m = np.max(logits, axis=axis, keepdims=True)
+        e = np.exp(logits - m)
+        want = e / np.sum(e, axis=axis, keepdims=True)
+        got = ops.softmax(logits, axis=axis)
+        assert got.dtype == dtype and np.array_equal(_bits(got), _bits(want)), axis
