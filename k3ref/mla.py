@@ -287,11 +287,16 @@ def mla_decode_readable(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np
     """
     q_abs = as_float("q_abs", q_abs)
     kv_cache = as_float("kv_cache", kv_cache, allow_nan=True)
-    (B, H, W), pages = check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
+    # the rows are scanned as they are gathered here, not copied a second time for the scan; a NaN/Inf found is
+    # then named by check_decode_args' own scan (the sequence and its pages)
+    (B, H, W), pages = check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank,
+                                         scan_rows=False)
     dt = np.result_type(q_abs.dtype, kv_cache.dtype, np.float32)
     o_lat = np.full((B, H, kv_rank), np.nan, dtype=dt)
     for b in range(B):
         rows = kv_cache[pages[b]].reshape(-1, W)[:int(seq_lens[b])].astype(dt, copy=False)
+        if not np.isfinite(rows).all():
+            check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
         s = (q_abs[b].astype(dt, copy=False) @ rows.T) * dt.type(scale)     # [H, L]
         o_lat[b] = ops.softmax(s, axis=-1) @ rows[:, :kv_rank]
     return o_lat
