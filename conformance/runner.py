@@ -26,7 +26,8 @@ an exit, a signal, anything raised or a core silent past the time limit is an `e
 the core and the case, and the run goes on. A per-block case runs its kernel twice on the same inputs (candidate,
 reference, candidate): the bits must agree unless the backend declares `deterministic = False`. A per-block case
 that passes on its golden is judged again on inputs drawn with a fresh seed (conformance.cases.fresh; the seed is
-in a note, K3CONF_FRESH_SEED=N replays it), against the same gates and the baseline measured on those inputs.
+in a note, K3CONF_FRESH_SEED=N replays it), against the same gates and the baseline's larger error, on those
+inputs or on the golden.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ class Runner:
             try:
                 b = get_backend(name)
                 ok, _ = b.available()
-                self.errors[key] = _rel_errors(self.evaluate(case, golden, b).outputs, golden) if ok else None
+                self.errors[key] = gates.errors_against(self.evaluate(case, golden, b).outputs,
+                                                            golden.group("outputs")) if ok else None
             except Exception:  # noqa: BLE001 - a broken baseline means "cap only", never a crash
                 self.errors[key] = None
         return name, self.errors[key]
@@ -230,7 +232,7 @@ class Runner:
             res.seconds = time.perf_counter() - t0
             return res
         if is_baseline:   # the baseline itself: no second run
-            self.errors[(case.name, backend.name)] = _rel_errors(run.outputs, golden)
+            self.errors[(case.name, backend.name)] = gates.errors_against(run.outputs, golden.group("outputs"))
         res.tensors = self._judge_tensors(case, golden, backend, run.outputs, run.info.tensor_notes, is_baseline)
         if isinstance(run, IsolatedEvaluation) and run.again is not None:
             cores = ", ".join(sorted(kind_of(case).cores_of(case) & backend.kernel_cores()))
@@ -335,27 +337,6 @@ class Runner:
         return results
 
 
-def _larger(a: gates.BaselineError, b: gates.BaselineError | None) -> gates.BaselineError:
-    """Each error of a and b, the larger (b None: a); a worst element not measured on one side is the other's."""
-    if b is None:
-        return a
-    worst = [w for w in (a.worst_err, b.worst_err) if w is not None]
-    return dataclasses.replace(a, rel_rms=max(a.rel_rms, b.rel_rms), worst_err=max(worst) if worst else None)
-
-
-def _rel_errors(outs: dict, golden) -> dict[str, gates.BaselineError]:
-    """tensor -> a baseline's relative RMS and worst element errors on its outputs. A tensor the baseline got wrong
-    in kind (missing, misshaped, NaN where the golden has none) has no error to scale a bound by: it is left out,
-    so that row falls back to the cap alone instead of to k * 0 + floor."""
-    errs = {}
-    for t, ref in golden.group("outputs").items():
-        if t in outs:
-            c = compare(outs[t], ref)
-            if not c.problem and not c.exact and c.nonfinite_ok:
-                errs[t] = gates.BaselineError(c.rel_rms, c.worst_err)
-    return errs
-
-
 class FreshRunner(Runner):
     """The runner of one run's fresh inputs: a case's golden is drawn again with the run's seed into a work folder
     (conformance.cases.fresh), judged like any golden, its baseline errors measured on it (own caches), but
@@ -377,19 +358,13 @@ class FreshRunner(Runner):
 
     def baseline_errors(self, case: Case, golden,
                         precision: str) -> tuple[str | None, dict[str, gates.BaselineError] | None]:
-        """Per tensor, the larger of the baseline's errors on these inputs and on the case's committed golden
-        (relative RMS and worst element, each its own max). One draw's baseline error is one sample of its
-        precision's rounding noise, and a lucky one sets a bound a correct kernel misses: torch against numpy32
-        on 1,300 fresh seeds of the tiny cases failed on ~2.5% of the seeds, every time where numpy32's own error
-        on that draw was far below its error on the golden (tools/fresh_margins.py; docs/measurements.md)."""
+        """Per tensor, the larger of the baseline's errors on these inputs and on the case's golden
+        (gates.larger_errors: one draw's error alone is one lucky sample too often)."""
         name, fresh = super().baseline_errors(case, golden, precision)
-        parent_golden = self.parent.golden(case)
-        if fresh is None or isinstance(parent_golden, GoldenError):
+        committed = self.parent.golden(case)
+        if fresh is None or isinstance(committed, GoldenError):
             return name, fresh
-        _, committed = self.parent.baseline_errors(case, parent_golden, precision)
-        if not committed:
-            return name, fresh
-        return name, {t: _larger(e, committed.get(t)) for t, e in fresh.items()}
+        return name, gates.larger_errors(fresh, self.parent.baseline_errors(case, committed, precision)[1])
 
     def golden(self, case: Case):
         if case.name not in self.goldens:
