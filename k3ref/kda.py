@@ -32,7 +32,7 @@ import numpy as np
 from . import fast
 from .checks import as_float, check_shape, is_finite_real, is_int_value, require
 from .fast import kda as kda_fast
-from .fast import kda_jit
+from .fast import kda_jit, scan_jit
 from .ops import linear, rmsnorm, sigmoid, silu, softplus
 from .threads import fixed_blas
 
@@ -334,7 +334,7 @@ def kda_decode_core(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *,
     S0 = state.astype(dt, copy=False).reshape(BH, K, V)
     step = kda_jit.decode_step_jit if fast.enabled() else kda_fast.decode_step
     o, S = step(q, k, v, beta, decay, S0)
-    if not np.isfinite(o).all():                                      # o reads every S entry: a NaN/Inf in the
+    if not scan_jit.all_finite(o):                                    # o reads every S entry: a NaN/Inf in the
         as_float("state", state)                                      # state shows here; name its first index
     return o.reshape(B, H, V), S.reshape(B, H, K, V)
 
@@ -376,7 +376,7 @@ def _proj(x: np.ndarray, weights: Mapping[str, np.ndarray], name: str, shape: tu
     `x` in some later step."""
     w = _weight(weights, name, shape)
     y = linear(x, w)
-    if not np.isfinite(y).all() and np.isfinite(x).all():
+    if not scan_jit.all_finite(y) and scan_jit.all_finite(x):
         as_float(name, w)                                             # raises at the weight's first NaN/Inf
         raise ValueError(f"{name}: expected finite outputs, found NaN/Inf from finite inputs and weight "
                          f"(overflow in {y.dtype})")

@@ -23,6 +23,7 @@ from . import fast, mxfp4
 from .checks import as_float, check_shape, require
 from .engine import moe as engine_moe
 from .fast import latent_moe as moe_fast
+from .fast import scan_jit
 from .ops import linear, rmsnorm, sigmoid
 from .situ import situ_glu, situ_glu_vec
 
@@ -294,7 +295,7 @@ def routed_experts(weights: Mapping, z: np.ndarray, w: np.ndarray, idx: np.ndarr
     else:
         y_lat = mix_routed_experts(z, w, idx, lambda e, rows: _run_expert(_expert_tensors(weights, e, cfg), rows,
                                                                          cfg, cores, gemv), experts)
-    if not np.isfinite(y_lat).all():                                  # name the first expert whose output is not
+    if not scan_jit.all_finite(y_lat):                                # name the first expert whose output is not
         for e in chosen:                                              # finite (the checks inside were hoisted)
             tok = np.nonzero(np.any(idx == e, axis=-1))[0]
             as_float(f"routed expert {e} output", routed_expert(weights, e, z[tok], cfg, cores))

@@ -22,7 +22,7 @@ from . import fast, ops
 from .cache import MlaKv
 from .checks import as_float, check_shape, is_finite_real, is_int_value, require
 from .engine import mla as engine_mla
-from .fast import mla_jit
+from .fast import mla_jit, scan_jit
 from .threads import fixed_blas
 
 
@@ -111,7 +111,7 @@ def _checked(y: np.ndarray, name: str, w: np.ndarray) -> np.ndarray:
     """y, a product of weight `name` (values w) with a finite input. Non-finite y raises ValueError at the
     weight's first NaN/Inf (`weights['...']: expected finite values, found nan at index (i, j)`), or, for a
     finite weight, says the product overflowed."""
-    if not np.isfinite(y).all():
+    if not scan_jit.all_finite(y):
         as_float(f"weights['{name}']", w)                              # raises at the weight's first NaN/Inf
         raise ValueError(f"weights['{name}']: expected finite outputs, found NaN/Inf from finite inputs and "
                          f"weight (overflow in {y.dtype})")
@@ -295,7 +295,7 @@ def mla_decode_readable(q_abs: np.ndarray, kv_cache: np.ndarray, block_table: np
     o_lat = np.full((B, H, kv_rank), np.nan, dtype=dt)
     for b in range(B):
         rows = kv_cache[pages[b]].reshape(-1, W)[:int(seq_lens[b])].astype(dt, copy=False)
-        if not np.isfinite(rows).all():
+        if not scan_jit.all_finite(rows):
             check_decode_args(q_abs, kv_cache, block_table, seq_lens, scale=scale, kv_rank=kv_rank)
         s = (q_abs[b].astype(dt, copy=False) @ rows.T) * dt.type(scale)     # [H, L]
         o_lat[b] = ops.softmax(s, axis=-1) @ rows[:, :kv_rank]
