@@ -10,20 +10,25 @@ compiles on its first call per type signature and is cached on disk (`cache=True
 
 Each weight is converted as astype does (a bf16 value is the top half of a float32: bits << 16, exact; float32 to
 float64 exact; float64 to float32 rounded), then multiplied in x's dtype. Order of every sum (part of the result;
-no fastmath, so LLVM neither fuses multiply-adds nor reorders sums): sixteen partial sums, a_j over the elements
-k = j mod 16 in order, then a_0 + a_1 + ... + a_15 left to right; x is padded with zeros to a multiple of 16 and
-the weight's missing tail reads as +0 (adding 0 x 0 leaves a partial sum as it is). `lane_order_reference` states
-the same order in NumPy.
+no fastmath, so LLVM never reorders sums): sixteen partial sums, a_j over the elements k = j mod 16 in order, then
+a_0 + a_1 + ... + a_15 left to right; x is padded with zeros to a multiple of 16 and the weight's missing tail
+reads as +0 (adding 0 x 0 leaves a partial sum as it is). Each product meets its partial sum in `multiply_add`:
+in float64 one fused multiply-add (rounded once), in float32 a multiply and an add (rounded twice).
+`lane_order_reference` states the same order in NumPy.
 
-The kernel (`_tile`, written in LLVM IR on explicit 16-lane vectors) computes a tile of ROWS weight rows against
-up to four rows of x at once: each weight chunk is widened once for every token of the tile and each chunk of x
-serves ROWS rows, which is what keeps a 16-token prefill from re-reading x from L2 for every weight row. A single
+The kernel (`_tile`, written in LLVM IR on explicit 16-lane vectors) computes a tile of a few weight rows against
+up to four rows of x at once (TILES: 4 x 4 in float32, 3 x 4 in float64): each weight chunk is widened once for
+every token of the tile and each chunk of x serves the tile's rows, which is what keeps a 16-token prefill from
+re-reading x from L2 for every weight row. A single
 row of x against short weight rows (a decode step's projections) goes one weight row at a time instead, which
 reads the matrix as one stream (`SHORT_ROW_BYTES`). The tiling changes which products are computed together,
 never the order in which one dot product adds them, and `prange` splits only independent row blocks between
 threads: the bits depend neither on the tile sizes, the vector width nor the thread count.
 """
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -34,12 +39,15 @@ from numba.extending import intrinsic
 from . import forked_after_numba
 
 LANES = 16          # partial sums per dot product (fixed: it defines the summation order)
-ROWS = 4            # weight rows per tile (speed only)
-TOKENS = {np.dtype(np.float32): 4, np.dtype(np.float64): 3}   # rows of x per tile at most (speed only: ROWS x
-                    # TOKENS accumulators of 16 lanes fill 16 or 24 of AVX-512's 32 vector registers)
-ROW_BLOCK = 16      # weight rows per parallel work item, a multiple of ROWS (speed only)
+ROWS = 4            # weight rows per tile of `tile_rows` (speed only)
+TILES = {np.dtype(np.float32): (4, 4), np.dtype(np.float64): (3, 4)}   # (weight rows, rows of x at most) per
+                    # tile (speed only): that many accumulators of 16 lanes fill 16 (float32) or 24 (float64: two
+                    # registers each) of AVX-512's 32 vector registers. float64 takes 3 weight rows so that a
+                    # 16-token prefill widens each weight chunk 4 times, not 6: bf16 [3072, 7168] x 16 tokens on one
+                    # core, 3 x 4 15.6-16.2 ms, 4 x 3 18.8-19.1 ms
+ROW_BLOCK = 24      # weight rows per parallel work item, a multiple of every tile's weight rows (speed only)
 SHORT_ROW_BYTES = 16384  # one row of x against a weight whose rows, widened to x's dtype, take at most this many
-                         # bytes goes row by row instead of in tiles of ROWS (speed only; the matrix is then read
+                         # bytes goes row by row instead of in tiles (speed only; the matrix is then read
                          # as one sequential stream). Measured on one core (AVX-512 EPYC, 8 MB matrices, GB/s of
                          # weight, one row / four rows at a time): float32 K=256 24 / 8, K=1024 28 / 16, K=4096
                          # 23 / 23, K=7168 19 / 27; bf16 into float64 K=2048 15 / 11, K=4096 9 / 12.
@@ -47,7 +55,7 @@ THREADS_MIN_BYTES = 1 << 19   # weight bytes from which a call runs on numba's t
                               # costs less than waking the threads; the small model's 0.5-1.5 MB float32
                               # matrices gain ~2 ms a decode step on 2 cores from 2 MB down to 512 KB)
 
-_I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I16, _I32, _I64, _F32, _F64 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.DoubleType()
 
 
 def vector(element) -> ir.VectorType:
@@ -69,6 +77,43 @@ def fold_lanes(builder, vectors):
     for lane in lanes[1:]:
         total = builder.fadd(total, lane)
     return total
+
+
+def multiply_add(builder, acc, a, b):
+    """acc + a x b on vectors of partial sums (here, in `mxfp4_jit` and `mla_jit`). float64: IEEE 754's
+    fusedMultiplyAdd (llvm.fma), the exact a x b + acc rounded once. It is correctly rounded by definition, so the
+    bits are the same on a CPU without an FMA unit (LLVM calls libm's fma there, slowly); on one with it, a
+    float64 kernel runs ~1.3-1.5x faster, its multiply and add no longer competing for the same pipes.
+    float32: a multiply, then an add, each rounded -- the bits the float32 baselines' measured gate rows were
+    taken with (conformance.judge.measured)."""
+    if acc.type.element == _F64:
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type] * 3),
+                                             f"llvm.fma.v{LANES}f64")
+        return builder.call(fma, [a, b, acc])
+    return builder.fadd(acc, builder.fmul(a, b))
+
+
+def fused_multiply_add(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a x b + c for float64 arrays (broadcast), each element rounded once from the exact value, as the kernels'
+    float64 `multiply_add` computes it; for the tests' `lane_order_reference`s. Exact rational arithmetic
+    (fractions.Fraction, whose float() is correctly rounded), so it depends on no FMA unit; an exact zero takes
+    the sign a x b + c has in float arithmetic (IEEE: -0 only when both terms are -0), and a NaN or inf operand,
+    or a result past float64's range, the float arithmetic's answer (one NaN operand or an infinity decide it
+    alike in either form). Slow: test sizes only."""
+    def one(x: float, y: float, z: float) -> float:
+        plain = x * y + z
+        if not (math.isfinite(x) and math.isfinite(y) and math.isfinite(z)):
+            return plain
+        exact = Fraction(x) * Fraction(y) + Fraction(z)
+        if exact == 0:
+            return plain
+        try:
+            return float(exact)
+        except OverflowError:
+            return plain
+
+    with np.errstate(all="ignore"):
+        return np.frompyfunc(one, 3, 1)(a, b, c).astype(np.float64)
 
 
 def _widened(builder, stored, wide):
@@ -128,7 +173,7 @@ def _tile(tokens: int, rows_per_tile: int = ROWS):
                       for p in x_rows]
                 for w_i, acc_row in zip(weights, sums, strict=True):
                     for x_j, acc in zip(xs, acc_row, strict=True):
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w_i, x_j)), acc)
+                        builder.store(multiply_add(builder, builder.load(acc), w_i, x_j), acc)
 
             full = builder.udiv(K, ir.Constant(_I64, LANES))
             with cgutils.for_range(builder, full) as loop:
@@ -151,6 +196,7 @@ def _tile(tokens: int, rows_per_tile: int = ROWS):
 
 
 _tile1, _tile2, _tile3, _tile4 = (_tile(n) for n in range(1, 5))
+_tile3r1, _tile3r2, _tile3r3, _tile3r4 = (_tile(n, 3) for n in range(1, 5))
 _row = _tile(1, 1)
 
 
@@ -174,27 +220,49 @@ def tile_rows(w, x, out, r0, most):  # pragma: no cover -- compiled; see linear_
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _gemv_item(item, w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
-    """One work item: weight rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x, in tiles of ROWS
-    weight rows and at most `most` rows of x; `most` = 0: one row of x against one weight row at a time."""
+def _tile_rows3(w, x, out, r0, most):  # pragma: no cover -- compiled; see linear_jit
+    """`tile_rows` for the 3 weight rows from r0."""
+    M = x.shape[0]
+    t0 = 0
+    while t0 < M:
+        n = min(most, M - t0)
+        if n == 4:
+            _tile3r4(w, x, out, r0, t0)
+        elif n == 3:
+            _tile3r3(w, x, out, r0, t0)
+        elif n == 2:
+            _tile3r2(w, x, out, r0, t0)
+        else:
+            _tile3r1(w, x, out, r0, t0)
+        t0 += n
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _gemv_item(item, w, x, out, rows, most):  # pragma: no cover -- compiled; see linear_jit
+    """One work item: weight rows item * ROW_BLOCK ... (at most ROW_BLOCK) for every row of x, in tiles of `rows`
+    (3 or 4) weight rows and at most `most` rows of x; `most` = 0: one row of x against one weight row at a time."""
+    first, end = item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0])
     if most == 0:
-        for r in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0])):
+        for r in range(first, end):
             _row(w, x, out, r, 0)
-        return
-    for r0 in range(item * ROW_BLOCK, min((item + 1) * ROW_BLOCK, w.shape[0]), ROWS):
-        tile_rows(w, x, out, r0, most)
+    elif rows == 3:
+        for r0 in range(first, end, 3):
+            _tile_rows3(w, x, out, r0, most)
+    else:
+        for r0 in range(first, end, ROWS):
+            tile_rows(w, x, out, r0, most)
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
-def _gemv_threads(w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
+def _gemv_threads(w, x, out, rows, most):  # pragma: no cover -- compiled; see linear_jit
     for item in numba.prange((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):   # independent row blocks
-        _gemv_item(item, w, x, out, most)
+        _gemv_item(item, w, x, out, rows, most)
 
 
 @numba.njit(cache=True, nogil=True)
-def _gemv_one(w, x, out, most):  # pragma: no cover -- compiled; see linear_jit
+def _gemv_one(w, x, out, rows, most):  # pragma: no cover -- compiled; see linear_jit
     for item in range((w.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _gemv_item(item, w, x, out, most)
+        _gemv_item(item, w, x, out, rows, most)
 
 
 def padded_inputs(x: np.ndarray) -> np.ndarray:
@@ -230,7 +298,8 @@ def linear_jit(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         threaded = w.nbytes >= THREADS_MIN_BYTES and not forked_after_numba()   # a forked child: serial only
         kernel = _gemv_threads if threaded else _gemv_one
         one_row = M == 1 and w.shape[1] * x.itemsize <= SHORT_ROW_BYTES
-        kernel(weight_operand(w), padded_inputs(x), out, 0 if one_row else TOKENS[x.dtype])
+        rows, most = TILES[x.dtype]
+        kernel(weight_operand(w), padded_inputs(x), out, rows, 0 if one_row else most)
     return out
 
 
@@ -245,7 +314,10 @@ def lane_order_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     xp = padded_inputs(x)
     acc = np.zeros((x.shape[0], W.shape[0], LANES), x.dtype)
     for k in range(0, xp.shape[1], LANES):
-        acc += xp[:, None, k:k + LANES] * W[None, :, k:k + LANES]
+        if x.dtype == np.float64:
+            acc = fused_multiply_add(xp[:, None, k:k + LANES], W[None, :, k:k + LANES], acc)
+        else:
+            acc += xp[:, None, k:k + LANES] * W[None, :, k:k + LANES]
     total = acc[..., 0]
     for j in range(1, LANES):
         total = total + acc[..., j]

@@ -7,9 +7,10 @@ For sequence b and head h (rows j < seq_lens[b], gathered page by page through t
 Two passes over the sequence's pages per block of heads: the scores (and their max) first, then the weighted sum
 of latent rows with the normalised weights, as the readable form divides before it sums.
 
-Order of every sum (part of the result; no fastmath, so LLVM neither fuses multiply-adds nor reorders sums):
+Order of every sum (part of the result; no fastmath, so LLVM never reorders sums):
 - a score is `k3ref.fast.gemv_jit`'s dot product, the page's rows as the weight and the block's query rows as x:
-  sixteen partial sums over the elements i = j mod 16 in order, added left to right, then times scale;
+  sixteen partial sums over the elements i = j mod 16 in order (in float64 each product added by a fused
+  multiply-add, `gemv_jit.multiply_add`), added left to right, then times scale;
 - the softmax's max and sum run over the rows in ascending order;
 - o_lat_h[i] is a plain sum over the rows in ascending order, from 0 (`_accumulate`: sixteen columns of four heads
   held in vector registers while the page's rows stream past, each product added in row order).

@@ -54,11 +54,12 @@ def test_mxfp4_gemv_k3_shape_equals_dequantize_then_matmul(k3_matrix, dtype, T):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_mxfp4_kernel_sums_in_the_stated_order_and_keeps_inf_and_nan(dtype):
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 9])           # rows of x a decoded row serves: 1-4 at once, and tails
+def test_mxfp4_kernel_sums_in_the_stated_order_and_keeps_inf_and_nan(dtype, M):
     rng = np.random.default_rng(3)
     packed, scale = _expert_bytes(rng, 24, 96)
     scale[0, 1], scale[1, 0], scale[2, 2], scale[3, 1], scale[4, 0] = 255, 254, 0, 129, 128
-    x = rng.standard_normal((3, 96)).astype(dtype)
+    x = rng.standard_normal((M, 96)).astype(dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         W = mxfp4.dequantize(packed, scale)
         got = mxfp4_jit.gemv(packed, scale, x)
@@ -101,17 +102,20 @@ def _kernel_variant_outputs(out: str) -> None:
 @pytest.mark.parametrize("variant", [
     pytest.param({"NUMBA_CPU_NAME": "generic"}, id="computed-weights"),    # no variable permute: arithmetic
     pytest.param({"K3_TEST_MXFP4_OPAQUE": "0"}, id="lookup-without-asm"),
+    pytest.param({"K3_TEST_MXFP4_TABLE64": "0"}, id="float64-through-the-float32-table"),
 ])
 def test_mxfp4_kernel_variants_give_the_same_bits(variant, tmp_path):
     """The decoding is chosen by the CPU numba compiles for (a table lookup where x86 has a variable permute,
-    the weights computed elsewhere; an empty asm statement on AVX-512 for speed). Each variant must give the
-    bits of the one this machine runs."""
+    the weights computed elsewhere; an empty asm statement on AVX-512 for speed; float64 x looked up in the
+    float64 table on AVX-512). Each variant must give the bits of the one this machine runs."""
     env = {**{k: v for k, v in os.environ.items() if k != "K3_FAST"}, **variant,
            "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     script = ("import os, sys\n"
               "from k3ref.fast import mxfp4_jit\n"
               "if os.environ.get('K3_TEST_MXFP4_OPAQUE') == '0':\n"
               "    mxfp4_jit._OPAQUE = False\n"
+              "if os.environ.get('K3_TEST_MXFP4_TABLE64') == '0':\n"
+              "    mxfp4_jit._PERMUTE64 = False\n"
               "from tests.k3ref.test_fast_jit_moe import _kernel_variant_outputs\n"
               "_kernel_variant_outputs(sys.argv[1])\n")
     child = subprocess.run([sys.executable, "-c", script, str(tmp_path / "child.npz")], env=env, cwd=ROOT,
@@ -268,7 +272,7 @@ def test_bf16_linear_equals_the_cast_product(bf16_weight, dtype, T):
 @pytest.mark.parametrize("short_row_bytes", [0, 1 << 40], ids=["tiles", "row-by-row"])
 def test_gemv_kernel_sums_in_the_stated_order_and_propagates_nan(dtype, wtype, M, N, K, short_row_bytes,
                                                                   monkeypatch):
-    """Tiles of 4 weight rows and up to 4 (float32) or 3 (float64) rows of x: every remainder of N and M, K with
+    """Tiles of 4 (float32) or 3 (float64) weight rows and up to 4 rows of x: every remainder of N and M, K with
     and without a ragged tail (read element by element, never past the row), NaN, and a row of -0 products; bf16,
     float32 and float64 weights (a float64 weight against float32 x is rounded first, as astype does). One row of x
     takes both forms: tiles, and one weight row at a time (`SHORT_ROW_BYTES`)."""
@@ -391,12 +395,17 @@ def test_kernels_refuse_strided_arrays_at_compile_time():
     x = rng.standard_normal((1, 128))
     xe, xo = mxfp4_jit.split_inputs(x)
     strided = np.repeat(packed, 2, axis=1)[:, ::2]                         # the same bytes, every other one
-    dot = numba.njit(lambda row, srow, tables, e, o: mxfp4_jit._row_dot(row, srow, tables, e, o))
-    got = dot(np.ascontiguousarray(strided[0]), scale[0], mxfp4_jit.GROUP_TABLES, xe[0], xo[0])
-    assert got == mxfp4_jit.gemv(packed, scale, x)[0, 0]                  # contiguous: compiles and runs
+    rows_of, got = np.zeros(1, np.int64), np.empty((1, 1))
+    dot = numba.njit(lambda row, srow, tables, e, o, out: mxfp4_jit._dots1(row, srow, tables, e, o, rows_of, 0, out, 0))
+    dot(np.ascontiguousarray(strided[0]), scale[0], mxfp4_jit.GROUP_TABLES, xe, xo, got)
+    assert got[0, 0] == mxfp4_jit.gemv(packed, scale, x)[0, 0]            # contiguous: compiles and runs
     with pytest.raises(numba.core.errors.TypingError):
-        dot(strided[0], scale[0], mxfp4_jit.GROUP_TABLES, xe[0], xo[0])
+        dot(strided[0], scale[0], mxfp4_jit.GROUP_TABLES, xe, xo, got)
+    xe32, xo32, got32 = xe.astype(np.float32), xo.astype(np.float32), got.astype(np.float32)
+    dot(packed[0], scale[0], mxfp4_jit.GROUP_TABLES, xe32, xo32, got32)  # float32 x, float32 table: runs
+    with pytest.raises(numba.core.errors.TypingError):                    # the float64 table serves float64 x only
+        dot(packed[0], scale[0], mxfp4_jit.GROUP_TABLES64, xe32, xo32, got32)
     w = rng.standard_normal((8, 64)).astype(np.float32)
-    gemv_jit._gemv_one(np.ascontiguousarray(w[:, ::2]), x[:, :32].copy(), np.empty((1, 8)), 3)
+    gemv_jit._gemv_one(np.ascontiguousarray(w[:, ::2]), x[:, :32].copy(), np.empty((1, 8)), 4, 3)
     with pytest.raises(numba.core.errors.TypingError):
-        gemv_jit._gemv_one(w[:, ::2], x[:, :32].copy(), np.empty((1, 8)), 3)
+        gemv_jit._gemv_one(w[:, ::2], x[:, :32].copy(), np.empty((1, 8)), 4, 3)
