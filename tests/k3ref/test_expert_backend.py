@@ -117,6 +117,34 @@ def test_tensor_serves_one_part_and_counts_its_bytes(ckpt, weights, kind):
     assert total == store.expert_bytes(4, 5) and store.gets == 0
 
 
+def test_a_scale_is_scanned_once_it_passed_and_a_bad_one_raises_every_time(ckpt, tmp_path, monkeypatch):
+    """The E8M0 NaN scan runs on a scale tensor's first hand-out; one that passed is not scanned again (the
+    shard is mapped read-only), one that failed raises on every hand-out."""
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for f in ckpt.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    h = CheckpointReader(copy).entries[expert_name(1, 2, 3, "scale")]
+    with open(h.path, "r+b") as f:
+        f.seek(h.begin + 5)
+        f.write(b"\xff")
+    scanned = []
+    check = expert_backend._check_scale
+    monkeypatch.setattr(expert_backend, "_check_scale", lambda scale, name, *a: (scanned.append(name),
+                                                                               check(scale, name, *a)))
+    store = MmapExpertStore(copy)
+    store.get(1, 0)
+    assert len(scanned) == 3                                       # w1, w2, w3 scales
+    store.get(1, 0)
+    store.tensor(1, 0, 2, "scale")
+    assert len(scanned) == 3 and store.gets == 2
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"experts\.2\.w3\.weight_scale: layer 1, routed expert 2: E8M0"):
+            store.get(1, 2)
+        with pytest.raises(ValueError, match="E8M0 scale byte 255"):
+            store.tensor(1, 2, 3, "scale")
+
+
 def test_tensor_missing_expert(ckpt):
     store = MmapExpertStore(ckpt)
     with pytest.raises(KeyError, match="not in"):
