@@ -18,7 +18,8 @@ BASELINE_FACTOR = 3.0   # a baseline's cap over its measured worst: room for ano
 @dataclasses.dataclass(frozen=True)
 class Gate:
     """One row. fp64: `cap` is the bound. fp32/bf16: bound = min(cap, k * baseline_err + floor), and the
-    per-element rule: worst element error <= elem_k * the baseline's worst element error + elem_floor."""
+    per-element rule: worst element error <= elem_k * the baseline's worst element error + elem_floor. A row with an
+    abs_floor adds abs_floor / RMS(ref) to both floors (gates.judge)."""
 
     cap: float            # absolute bound on relative RMS error
     k: float | None       # multiple of the baseline's error (None at fp64)
@@ -29,6 +30,8 @@ class Gate:
     elem_k: float | None = None     # multiple of the baseline's worst element error (None: no per-element rule)
     elem_floor: float = 0.0         # added to it, so an exact baseline does not demand an exact element
     elem_why: str = ""              # the measurement behind elem_k and elem_floor
+    abs_floor: float = 0.0          # an absolute error (the tensor's own units) allowed in both rules, over RMS(ref):
+                                    # a sum that cancels keeps the rounding of its terms, not of its small value
 
 
 def baseline_row(precision: str, measured: float, where: str, shape_set: str) -> Gate:

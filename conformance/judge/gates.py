@@ -197,7 +197,9 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
     case of a shape set with no measurement (uncapped_why: no_cap_measured); there a baseline over its own row (the
     hand cap, as a sanity bound; fresh inputs set no own_cap) sets no bound, and the cap alone applies.
     Below fp64 a tensor must pass two rules: the relative RMS one and, where the baseline's worst element error
-    is known, the per-element one (worst element error <= gate.elem_k x the baseline's + gate.elem_floor).
+    is known, the per-element one (worst element error <= gate.elem_k x the baseline's + gate.elem_floor). A row's
+    abs_floor adds abs_floor / RMS(ref) to both floors (_floor): where a sum cancels, its rounding is a share of the
+    terms, not of its small value.
     """
     if cmp.problem and not cmp.exact:
         return Verdict(False, gate.cap, cmp.problem)
@@ -217,8 +219,9 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
         bound = gate.cap
         rule = f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} unavailable: cap only)"
     elif not capped and not base.failed_own_row:
-        bound = gate.k * base.rel_rms + gate.floor
-        rule = f"rel RMS <= {gate.k:g} x baseline {base.rel_rms:.3g} + {gate.floor:.3g} = {bound:.3g} ({uncapped_why})"
+        floor, floor_text = _floor(cmp, gate.floor, gate)
+        bound = gate.k * base.rel_rms + floor
+        rule = f"rel RMS <= {gate.k:g} x baseline {base.rel_rms:.3g} + {floor_text} = {bound:.3g} ({uncapped_why})"
         worst = _worst_element_failure(cmp, gate, base, precision)
         if worst and cmp.rel_rms <= bound:
             return Verdict(False, bound, f"{worst}; {rule}")
@@ -227,9 +230,10 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
         rule = (f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} failed its own row "
                 f"(err {base.rel_rms:.3g} > cap {base.own_cap:.3g}): bound is the cap only)")
     else:
-        rel = gate.k * base.rel_rms + gate.floor
+        floor, floor_text = _floor(cmp, gate.floor, gate)
+        rel = gate.k * base.rel_rms + floor
         bound = min(gate.cap, rel)
-        rule = (f"rel RMS <= min(cap {gate.cap:.3g}, {gate.k:g} x baseline {base.rel_rms:.3g} + {gate.floor:.3g})"
+        rule = (f"rel RMS <= min(cap {gate.cap:.3g}, {gate.k:g} x baseline {base.rel_rms:.3g} + {floor_text})"
                 f" = {bound:.3g}")
         worst = _worst_element_failure(cmp, gate, base, precision)
         if worst and cmp.rel_rms <= bound:   # a tensor failing both rules keeps the whole-tensor rule's text
@@ -238,18 +242,29 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
     return Verdict(ok, bound, rule)
 
 
+def _floor(cmp: Comparison, floor: float, gate: Gate) -> tuple[float, str]:
+    """A rule's floor with the row's abs_floor over the reference's RMS (RMS(ref) = max_abs / worst_err) added, and
+    how the rule writes it; a row without one: `floor` itself."""
+    if not gate.abs_floor or cmp.worst_err <= 0 or cmp.max_abs <= 0:
+        return floor, f"{floor:.3g}"
+    ref_rms = float(cmp.max_abs / cmp.worst_err)
+    total = floor + gate.abs_floor / ref_rms
+    return total, f"{floor:.3g} + abs {gate.abs_floor:.3g} / RMS(ref) {ref_rms:.3g} = {total:.3g}"
+
+
 def _worst_element_failure(cmp: Comparison, gate: Gate, base: BaselineError, precision: str) -> str:
     """'' when the worst element is within the row's multiple of the baseline's worst element error (or the
     row has no per-element rule), else the failure with its numbers. Only a failure is written into the rule,
     so a passing tensor's rule reads as the relative RMS one alone."""
     if gate.elem_k is None or base.worst_err is None:
         return ""
-    bound = gate.elem_k * base.worst_err + gate.elem_floor
+    floor, floor_text = _floor(cmp, gate.elem_floor, gate)
+    bound = gate.elem_k * base.worst_err + floor
     if cmp.worst_err <= bound:
         return ""
     where = f" at {list(cmp.worst_index)}" if cmp.worst_index is not None else ""
     return (f"worst element{where} off by {cmp.worst_err:.3g} x RMS(ref) > {gate.elem_k:g} x baseline "
-            f"{BASELINE.get(precision)}'s worst {base.worst_err:.3g} + {gate.elem_floor:.3g} = {bound:.3g} "
+            f"{BASELINE.get(precision)}'s worst {base.worst_err:.3g} + {floor_text} = {bound:.3g} "
             f"(per-element rule: {gate.elem_why})")
 
 
