@@ -57,7 +57,7 @@ def test_mxfp4_gemv_k3_shape_equals_dequantize_then_matmul(k3_matrix, dtype, T):
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 9])           # rows of x a decoded row serves: 1-4 at once, and tails
 def test_mxfp4_kernel_sums_in_the_stated_order_and_keeps_inf_and_nan(dtype, M):
     rng = np.random.default_rng(3)
-    packed, scale = _expert_bytes(rng, 24, 96)
+    packed, scale = _expert_bytes(rng, 25, 96)      # odd: two-row tiles and a one-row tail
     scale[0, 1], scale[1, 0], scale[2, 2], scale[3, 1], scale[4, 0] = 255, 254, 0, 129, 128
     x = rng.standard_normal((M, 96)).astype(dtype)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -395,16 +395,16 @@ def test_kernels_refuse_strided_arrays_at_compile_time():
     x = rng.standard_normal((1, 128))
     xe, xo = mxfp4_jit.split_inputs(x)
     strided = np.repeat(packed, 2, axis=1)[:, ::2]                         # the same bytes, every other one
-    rows_of, got = np.zeros(1, np.int64), np.empty((1, 1))
-    dot = numba.njit(lambda row, srow, tables, e, o, out: mxfp4_jit._dots1(row, srow, tables, e, o, rows_of, 0, out, 0))
-    dot(np.ascontiguousarray(strided[0]), scale[0], mxfp4_jit.GROUP_TABLES, xe, xo, got)
+    rows_of, got = np.zeros(1, np.int64), np.empty((1, 8))
+    dot = numba.njit(lambda w, s, tables, e, o, out: mxfp4_jit._dots1(w, s, tables, e, o, rows_of, 0, out, 0))
+    dot(np.ascontiguousarray(strided), scale, mxfp4_jit.GROUP_TABLES, xe, xo, got)
     assert got[0, 0] == mxfp4_jit.gemv(packed, scale, x)[0, 0]            # contiguous: compiles and runs
     with pytest.raises(numba.core.errors.TypingError):
-        dot(strided[0], scale[0], mxfp4_jit.GROUP_TABLES, xe, xo, got)
+        dot(strided, scale, mxfp4_jit.GROUP_TABLES, xe, xo, got)
     xe32, xo32, got32 = xe.astype(np.float32), xo.astype(np.float32), got.astype(np.float32)
-    dot(packed[0], scale[0], mxfp4_jit.GROUP_TABLES, xe32, xo32, got32)  # float32 x, float32 table: runs
+    dot(packed, scale, mxfp4_jit.GROUP_TABLES, xe32, xo32, got32)        # float32 x, float32 table: runs
     with pytest.raises(numba.core.errors.TypingError):                    # the float64 table serves float64 x only
-        dot(packed[0], scale[0], mxfp4_jit.GROUP_TABLES64, xe32, xo32, got32)
+        dot(packed, scale, mxfp4_jit.GROUP_TABLES64, xe32, xo32, got32)
     w = rng.standard_normal((8, 64)).astype(np.float32)
     gemv_jit._gemv_one(np.ascontiguousarray(w[:, ::2]), x[:, :32].copy(), np.empty((1, 8)), 4, 3)
     with pytest.raises(numba.core.errors.TypingError):
