@@ -46,7 +46,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.judge.speed import SpeedTargetMissed
 from k3ref.config import K3Config
 from k3ref.cores import reference_cores
 from k3ref.cpu_forward import ForwardContext, K3CpuModel, embed, forward_one_layer, forward_prefill, forward_token
@@ -60,6 +59,7 @@ GIB = 2**30
 TARGET_ANON_GIB = 4.0
 TARGET_FLOOR_RATIO = 4.0     # one real-size layer step (decode, and a 16-token prefill) against its bytes floor
 DECODE_STEPS = 3             # warm decode steps timed (the best is reported with its own floor)
+PREFILL_RUNS = 2             # warm prefills timed, each on a fresh state (the best is reported: noise only adds)
 COPY_BYTES = 256 << 20       # the copy that measures bandwidth: far past the last-level cache
 
 
@@ -209,16 +209,21 @@ def step_child(checkpoint: Path, layer: int, dtype: str, pinned: bool, cold: boo
 
 
 def warm_steps(model: K3CpuModel, layer: int, tokens, dense: int, bandwidth: float) -> list[dict]:
-    """A 16-token prefill and DECODE_STEPS decode steps, each timed after the same step ran once on a copy of
-    the state (compiled; the same experts chosen, so their pages are in the page cache)."""
+    """A 16-token prefill (the best of PREFILL_RUNS, each from an empty state) and DECODE_STEPS decode steps, each
+    timed after the same step ran once on a copy of the state (compiled; the same experts chosen, so their pages
+    are in the page cache)."""
     warm = model.new_cache(num_pages=2)
     wseq = warm.add_sequence()
     timed_layer(model, layer, tokens[:PROMPT], warm, wseq, prefill=True)
     timed_layer(model, layer, tokens[PROMPT:PROMPT + 1], warm, wseq, prefill=False)
-    cache = model.new_cache(num_pages=2)
-    seq = cache.add_sequence()
-    secs, experts = timed_layer(model, layer, tokens[:PROMPT], cache, seq, prefill=True)
-    rows = [_ratio_row("prefill16", secs, dense, experts, state_bytes(model, cache, layer, seq), bandwidth)]
+    prefills = []
+    for _ in range(PREFILL_RUNS):
+        cache = model.new_cache(num_pages=2)
+        seq = cache.add_sequence()
+        secs, experts = timed_layer(model, layer, tokens[:PROMPT], cache, seq, prefill=True)
+        prefills.append(_ratio_row("prefill16", secs, dense, experts, state_bytes(model, cache, layer, seq),
+                                   bandwidth))
+    rows = [min(prefills, key=lambda r: r["ratio"])]
     for i in range(DECODE_STEPS):
         state = state_bytes(model, cache, layer, seq)
         token = tokens[PROMPT + i:PROMPT + i + 1]
@@ -347,11 +352,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 REAL_CHECKPOINT = os.environ.get("K3_BENCH_REAL_CHECKPOINT", "")
-PREFILL_PINNED_MISS = pytest.mark.xfail(
-    raises=SpeedTargetMissed, strict=False,
-    reason="6.8-7.2x on a quiet machine of this type (2026-12-04, AVX-512 VM, copy 14.4 GB/s): of the pinned prefill's "
-           "2.24 s, the MXFP4 experts take 1.26 s (3.46 GB, each expert used by about one token: ~5.5 G codes/s in "
-           "float64) and the bf16 GEMM of 16 tokens 0.76 s (13.7 G multiply-adds/s, no FMA); docs/measurements.md")
 
 
 @pytest.fixture(scope="module")
@@ -364,9 +364,7 @@ def real_steps() -> dict[bool, list[dict]]:
                                                 "--config k3 --layers 1` (~21 GB), then K3_BENCH_REAL_CHECKPOINT=DIR")
 @pytest.mark.parametrize("step", ["decode", "prefill16"])
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "all-cores"])
-def test_real_layer_step_vs_bytes_floor(real_steps, speed, request, step, pinned):
-    if step == "prefill16" and pinned:
-        request.applymarker(PREFILL_PINNED_MISS)
+def test_real_layer_step_vs_bytes_floor(real_steps, speed, step, pinned):
     rows = [r for r in real_steps[pinned] if r["step"] == step]
     best = min(rows, key=lambda r: r["ratio"])                        # decode: the best of DECODE_STEPS steps
     speed.check(f"K3 layer 1 (KDA + MoE) {step}, float64, warm / bytes floor, {'pinned' if pinned else 'all cores'}",
