@@ -14,9 +14,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from conformance.judge.speed import SpeedTargetMissed
+from conformance.judge.speed import short_pass_miss
 
 LOADED_OVER_QUIET_TARGET = 1.5
 REPEATS = 3
@@ -45,10 +43,9 @@ def _k3conf_run(report_dir) -> float:
     return seconds
 
 
-@pytest.mark.xfail(raises=SpeedTargetMissed, strict=False,
-                   reason="measured 1.7-1.9 on 2026-12-02 (e.g. 33.7 s / 17.3 s) while other users loaded the "
-                          "machine (single runs moved by 2x), 6.6x before torch ran one thread; the runner's speed "
-                          "gates (timed cores) are what slows under the extra load")
+@short_pass_miss("measured 1.7-1.9 on 2026-12-02 (e.g. 33.7 s / 17.3 s) while other users loaded the machine "
+                 "(single runs moved by 2x), 0.97-1.04 on a quiet one on 2026-12-04; the runner's speed gates (timed "
+                 "cores) are what slows under the extra load")
 def test_k3conf_run_loaded_vs_quiet(benchmark, speed, tmp_path):
     load = max(1, (os.cpu_count() or 2) - 1)
     best = {"quiet": float("inf"), "loaded": float("inf")}
