@@ -128,7 +128,8 @@ class MmapExpertStore:
     def _checked_scale(self, scale: np.ndarray, name: str, layer: int, expert: int) -> None:
         """`_check_scale` the first time a scale tensor is handed out; once it passed, not again (its scan reads
         344 KB of a K3 expert's scales, ~36 us, 591 times in a 16-token prefill's layer). The shard is mapped
-        read-only, so what passed stays what is read; a failing tensor raises on every hand-out."""
+        read-only and nothing here writes it, so what passed is what the kernels read (a checkpoint rewritten under
+        a live store would leave its header's offsets stale as well); a failing tensor raises on every hand-out."""
         if name not in self._scales_passed:
             _check_scale(scale, name, layer, expert)
             self._scales_passed.add(name)

@@ -14,7 +14,10 @@ instructions per 32 weights (`_group_weights`: LLVM turns the lookup into a vari
 one). The weight is then widened to x's dtype and multiplied in it, as `dequantize(W).astype(x.dtype)` would be.
 For float64 x on AVX-512 the table is GROUP_TABLES64, the same values widened once, looked up straight into
 float64 lanes (`_group_weights64`), which spares a conversion per weight. A row is decoded once for up to PAIRS
-rows of x that read it (an expert's tokens), and each of those dot products keeps its own partial sums.
+rows of x that read it (an expert's tokens), and each of those dot products keeps its own partial sums; with the
+float64 table two rows at a time share each loaded chunk of x (against up to two of its rows), and each row's
+bytes are prefetched PREFETCH_BYTES ahead. None of this changes which products a partial sum adds, or in what
+order.
 
 Order of every sum (part of the result; no fastmath, so LLVM never reorders sums): a dot product keeps thirty-two
 partial sums, a_j over the low-nibble products of bytes i = j mod 16 and b_j over the high-nibble ones, bytes in
