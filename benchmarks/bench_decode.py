@@ -28,12 +28,12 @@ _MISS = ("measured {} on 2026-12-04 on the 2-core machine type (AVX-512; the VM'
          "~20 ms go to the host graph's Python and NumPy steps (norms, gates, AttnRes, the router, checks: ~28,000 "
          "Python calls a token) and the experts' calls; docs/measurements.md")
 THREAD_MODES = [
-    pytest.param(True, id="pinned", marks=short_pass_miss(
+    pytest.param(True, id="pinned", marks=pytest.mark.xfail(**short_pass_miss(
         _MISS.format("1.80-1.96x quiet (was 1.99-2.53x before the host graph's steps took fewer calls); CI's short "
-                     "pass measured 2.155x once"))),
-    pytest.param(False, id="all-cores", marks=short_pass_miss(
+                     "pass measured 2.155x once")))),
+    pytest.param(False, id="all-cores", marks=pytest.mark.xfail(**short_pass_miss(
         _MISS.format("1.40-1.72x quiet (the GEMVs on both cores, the host graph's steps on one), 3.77x beside one "
-                     "busy process: each threaded GEMV waits for its half on the busy core"))),
+                     "busy process: each threaded GEMV waits for its half on the busy core")))),
 ]
 
 

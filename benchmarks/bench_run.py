@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conformance.judge.speed import short_pass_miss
 
 LOADED_OVER_QUIET_TARGET = 1.5
@@ -43,9 +45,10 @@ def _k3conf_run(report_dir) -> float:
     return seconds
 
 
-@short_pass_miss("measured 1.7-1.9 on 2026-12-02 (e.g. 33.7 s / 17.3 s) while other users loaded the machine "
-                 "(single runs moved by 2x), 0.97-1.04 on a quiet one on 2026-12-04; the runner's speed gates (timed "
-                 "cores) are what slows under the extra load")
+@pytest.mark.xfail(**short_pass_miss(
+    "measured 1.7-1.9 on 2026-12-02 (e.g. 33.7 s / 17.3 s) while other users loaded the machine (single runs moved "
+    "by 2x), 0.97-1.04 on a quiet one on 2026-12-04; the runner's speed gates (timed cores) are what slows under the "
+    "extra load"))
 def test_k3conf_run_loaded_vs_quiet(benchmark, speed, tmp_path):
     load = max(1, (os.cpu_count() or 2) - 1)
     best = {"quiet": float("inf"), "loaded": float("inf")}

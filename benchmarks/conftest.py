@@ -6,8 +6,8 @@ miss. A miss is declared with `xfail(raises=SpeedTargetMissed, strict=False, rea
 in that benchmark (a NaN, a crash) still fails it. At the end of the session every recorded ratio is listed
 with its verdict: met, declared miss (xfailed), or MISSED (an undeclared miss: the run fails). A target that
 meets on a quiet machine by less than a shared one's noise is declared for the short pass only
-(`conformance.judge.speed.short_pass_miss`), so the full pass holds every target; a plain xfail is left for a
-mode that is reported, not a target.
+(`xfail(**conformance.judge.speed.short_pass_miss(reason))`), so the full pass holds every target; a plain
+xfail is left for a mode that is reported, not a target.
 
 `threads` runs a benchmark twice: "pinned" (numba on 1 thread, BLAS on 1) and "all" (numba on every core, BLAS
 as the user's process gets it: nothing changed), so a regression that only threading shows (a threaded BLAS
