@@ -71,13 +71,18 @@ def _records(args) -> tuple[list[dict], str]:
     return records, f"{args.backend} on {len(cases)} {args.config} cases"
 
 
+def _comparison(r: dict) -> Comparison:
+    """The record's errors as the Comparison gates.judge reads (no max_abs, an older dump: abs_floor adds nothing)."""
+    return Comparison((), "float64", max_abs=r.get("max_abs", 0.0), rel_rms=r["rel_rms"], worst_err=r["worst_err"],
+                      n_within=1, n_total=1)
+
+
 def _rejudged(records: list[dict]) -> list[dict]:
     """Each record judged again by the current rows: the verdict fresh inputs get (gates.judge, capped=False)."""
     out = []
     for r in records:
         gate = gates.gate_for(r["block"], r["tensor"], r["precision"], r["config"])[1]
-        cmp = Comparison((), "float64", max_abs=r.get("max_abs", 0.0), rel_rms=r["rel_rms"], worst_err=r["worst_err"],
-                         n_within=1, n_total=1)   # no max_abs (an older dump): a row's abs_floor adds nothing
+        cmp = _comparison(r)
         base = gates.BaselineError(r["base_rel_rms"], r["base_worst_err"])
         v = gates.judge(cmp, gate, r["precision"], base, capped=False)
         out.append({**r, "passed": v.passed, "why": v.why})
@@ -88,15 +93,14 @@ def _ratios(r: dict) -> dict[str, tuple[float, float, float]]:
     """rule -> (error / bound, error / baseline's error, floor needed at the row's k, abs_floor aside) for one
     record."""
     gate = gates.gate_for(r["block"], r["tensor"], r["precision"], r["config"])[1]
-    max_abs = r.get("max_abs", 0.0)
-    extra = gate.abs_floor * r["worst_err"] / max_abs if max_abs > 0 else 0.0   # abs_floor / RMS(ref)
+    cmp = _comparison(r)
     out = {}
     if gate.k is not None:
-        bound = gate.k * r["base_rel_rms"] + gate.floor + extra
+        bound = gate.k * r["base_rel_rms"] + gates.rule_floor(cmp, gate.floor, gate)[0]
         out["rel RMS"] = (r["rel_rms"] / bound, r["rel_rms"] / max(r["base_rel_rms"], 1e-300),
                           r["rel_rms"] - gate.k * r["base_rel_rms"])
     if gate.elem_k is not None and r["base_worst_err"] is not None:
-        bound = gate.elem_k * r["base_worst_err"] + gate.elem_floor + extra
+        bound = gate.elem_k * r["base_worst_err"] + gates.rule_floor(cmp, gate.elem_floor, gate)[0]
         out["per element"] = (r["worst_err"] / bound, r["worst_err"] / max(r["base_worst_err"], 1e-300),
                               r["worst_err"] - gate.elem_k * r["base_worst_err"])
     return out

@@ -198,7 +198,7 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
     hand cap, as a sanity bound; fresh inputs set no own_cap) sets no bound, and the cap alone applies.
     Below fp64 a tensor must pass two rules: the relative RMS one and, where the baseline's worst element error
     is known, the per-element one (worst element error <= gate.elem_k x the baseline's + gate.elem_floor). A row's
-    abs_floor adds abs_floor / RMS(ref) to both floors (_floor): where a sum cancels, its rounding is a share of the
+    abs_floor adds abs_floor / RMS(ref) to both floors (rule_floor): where a sum cancels, its rounding is a share of the
     terms, not of its small value.
     """
     if cmp.problem and not cmp.exact:
@@ -219,7 +219,7 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
         bound = gate.cap
         rule = f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} unavailable: cap only)"
     elif not capped and not base.failed_own_row:
-        floor, floor_text = _floor(cmp, gate.floor, gate)
+        floor, floor_text = rule_floor(cmp, gate.floor, gate)
         bound = gate.k * base.rel_rms + floor
         rule = f"rel RMS <= {gate.k:g} x baseline {base.rel_rms:.3g} + {floor_text} = {bound:.3g} ({uncapped_why})"
         worst = _worst_element_failure(cmp, gate, base, precision)
@@ -230,7 +230,7 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
         rule = (f"rel RMS <= cap {gate.cap:.3g} (baseline {BASELINE.get(precision)} failed its own row "
                 f"(err {base.rel_rms:.3g} > cap {base.own_cap:.3g}): bound is the cap only)")
     else:
-        floor, floor_text = _floor(cmp, gate.floor, gate)
+        floor, floor_text = rule_floor(cmp, gate.floor, gate)
         rel = gate.k * base.rel_rms + floor
         bound = min(gate.cap, rel)
         rule = (f"rel RMS <= min(cap {gate.cap:.3g}, {gate.k:g} x baseline {base.rel_rms:.3g} + {floor_text})"
@@ -242,7 +242,7 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
     return Verdict(ok, bound, rule)
 
 
-def _floor(cmp: Comparison, floor: float, gate: Gate) -> tuple[float, str]:
+def rule_floor(cmp: Comparison, floor: float, gate: Gate) -> tuple[float, str]:
     """A rule's floor with the row's abs_floor over the reference's RMS (RMS(ref) = max_abs / worst_err) added, and
     how the rule writes it; a row without one: `floor` itself."""
     if not gate.abs_floor or cmp.worst_err <= 0 or cmp.max_abs <= 0:
@@ -258,7 +258,7 @@ def _worst_element_failure(cmp: Comparison, gate: Gate, base: BaselineError, pre
     so a passing tensor's rule reads as the relative RMS one alone."""
     if gate.elem_k is None or base.worst_err is None:
         return ""
-    floor, floor_text = _floor(cmp, gate.elem_floor, gate)
+    floor, floor_text = rule_floor(cmp, gate.elem_floor, gate)
     bound = gate.elem_k * base.worst_err + floor
     if cmp.worst_err <= bound:
         return ""
