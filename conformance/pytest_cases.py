@@ -1,11 +1,13 @@
 """The conformance cases as pytest items, on the backend named by `--k3conf-backend` (conformance.pytest_plugin
 loads this plugin only when that option is given; see its docstring for the options).
 
-The run is prepared by conformance.session, as for `k3conf run`: the backend checked (an external one's cores
-tried on tiny inputs first), the cases selected, the goldens found, K3_STRICT read by the same rule. The verdicts
-are the CLI's: an item passes, fails or skips as its (case, backend) cell does, each failing item says why in its
-own line, and the session fails where `k3conf run` would exit 1 although no item failed (the backend was judged
-on nothing: every item skip or n/a).
+The run is prepared by conformance.session, as for `k3conf run`: the backend loaded by a worker process of its own
+(its module is never imported into pytest's process, which holds the goldens and the judge), an external one's
+cores tried on tiny inputs first, the cases selected, the goldens found, K3_STRICT read by the same rule. The
+verdicts are the CLI's: an item passes, fails or skips as its (case, backend) cell does, each failing item says
+why in its own line (a backend the start-up check refused fails every item with the reason), and the session
+fails where `k3conf run` would exit 1 although no item failed (the backend was judged on nothing, or its kernels
+left processes running).
 
 The cases are collected as pytest collects a test file: one collector `k3conf` beside the session's own, so the
 header counts them and `-k` / `-m` deselect from them like any test. Each item is marked `k3conf`, with its block
@@ -24,6 +26,8 @@ from rich.console import Console
 
 from conformance.cases.catalog import all_cases, kind_of
 from conformance.cases.protocol import Case
+from conformance.isolation.client import WorkerPool
+from conformance.judge.gates import judge_state, tables_changed
 from conformance.metadata import collect as collect_metadata
 from conformance.report import print_terminal, write_reports
 from conformance.results import CaseResult, RunReport
@@ -71,11 +75,14 @@ class ConformanceSession:
             strict()
         except SessionError as e:
             raise pytest.UsageError(str(e)) from None
+        self.judge_at_start = judge_state()
+        self.pool = WorkerPool()
         try:
-            check = checked_backend(spec)
+            check = checked_backend(spec, self.pool)
         except SessionError as e:
+            self.pool.close()
             raise pytest.UsageError(f"--k3conf-backend {spec}: {e}") from None
-        self.backend, self.ok, self.why = check.backend, check.available, check.reason
+        self.backend, self.ok, self.why, self.refused = check.backend, check.available, check.reason, check.refused
         self.row = backend_row(spec, check.backend, check, must_judge=True)   # the one backend asked for
         self.strict_missing = strict_missing([self.row])
         cfg = config.getoption("k3conf_config")
@@ -89,7 +96,7 @@ class ConformanceSession:
         except SessionError as e:
             raise pytest.UsageError(str(e)) from None
         self.report_dir = self._report_dir(config)
-        self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"), specs={check.backend.name: spec})
+        self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"), self.pool, {spec: check.backend})
         self.results: list[CaseResult] = []   # every item run, for the summary table and the report files
         self.seconds = 0.0                    # the cases' own time (the session's other tests not counted)
         self.written: list[Path] = []         # the report files written at the session's end
@@ -121,7 +128,8 @@ class ConformanceSession:
 
     def report(self) -> RunReport:
         return RunReport(config=self.runner.config, backends=[self.row], results=list(self.results),
-                         wall_seconds=self.seconds, copy_bandwidth={}, strict_missing=self.strict_missing)
+                         wall_seconds=self.seconds, copy_bandwidth={}, strict_missing=self.strict_missing,
+                         left_running=self.pool.left_lines(), judge_problem=tables_changed(self.judge_at_start))
 
     def run(self, case: Case) -> CaseResult:
         t0 = time.perf_counter()
@@ -144,6 +152,7 @@ class ConformanceSession:
         """The report files, when asked for. A session in which no item failed still fails where `k3conf run`
         exits 1: the backend was judged on nothing (every item skip or n/a). The reason is the first line of
         the k3conf summary section."""
+        self.close()   # the workers stopped now: what they left running fails the session
         if not self.results:
             return
         report = self.report()
@@ -164,8 +173,13 @@ class ConformanceSession:
             self.unwritten = (f"cannot write the reports to {self.report_dir} ({e.strerror or e}); "
                               "none was written")
 
+    def close(self) -> None:
+        """Stop the worker processes (idempotent) and remove the fresh inputs."""
+        self.runner.close()
+        self.pool.close()
+
     def pytest_unconfigure(self, config) -> None:
-        self.runner.close()   # its worker processes and fresh inputs, now rather than when it is collected
+        self.close()   # its worker processes and fresh inputs, now rather than when it is collected
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints,
@@ -244,6 +258,8 @@ class CaseItem(pytest.Item):
     def runtest(self) -> None:
         if self.conformance.strict_missing:     # K3_STRICT: a backend that cannot run here fails, as in the CLI
             raise CaseFailed(f"K3_STRICT=1 and {self.conformance.strict_missing[0]}")
+        if self.conformance.refused:            # the start-up check found a core that answers nothing
+            raise CaseFailed(self.conformance.refused)
         if not self.conformance.ok:
             pytest.skip(f"backend {self.conformance.backend.name} unavailable: {self.conformance.why}")
         res = self.conformance.run(self.case)

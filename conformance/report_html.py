@@ -148,8 +148,7 @@ def _summary(report: RunReport, cnt: dict[str, int]) -> list[str]:
            + (f" ({cnt['error']} error{'s' if cnt['error'] != 1 else ''})" if cnt["error"] else "")
            + f", <b class=na>{cnt['n/a']} n/a</b>, <b class=skip>{cnt['skip']} skip</b> of {cnt['total']}, "
            f"in {report.wall_seconds:.0f} s.</p>"]
-    out += [f"<p class='first bad'>K3_STRICT=1: {_e(m)}</p>" for m in report.strict_missing]
-    out += [f"<p class='first bad'>{_e(m)}</p>" for m in report.nothing_judged]
+    out += [f"<p class='first bad'>{_e(m)}</p>" for m in report.run_failures() + report.nothing_judged]
     out += [f"<p class='first bad'>{_e(m)}</p>" for m in text_report.flip_lines(report)]
     notes = [f"skipped {row['name']}: {row['reason']}" for row in report.backends if not row["available"]]
     notes += text_report.not_run_lines(report) + text_report.skip_lines(report) + text_report.baseline_notes(report)

@@ -31,17 +31,16 @@ MD_WORST = 5
 def markdown(report: RunReport) -> str:
     """The report as Markdown: first failure, what could not run, notes, the case x backend verdicts, the
     per-tensor table (long results cut to the tensors that matter), gate reasons."""
-    lines = [f"# k3conf run ({report.config})", "", f"**{report.first_failure_line()}**", ""]
+    lines = [f"# k3conf run ({report.config})", "", f"**{plain(report.first_failure_line())}**", ""]
     cnt = report.counts()
     lines += [f"Results (case, backend): **{cnt['pass']} pass, {cnt['fail']} fail, {cnt['n/a']} n/a, "
               f"{cnt['skip']} skip** of {cnt['total']}"
               + (f" ({cnt['error']} of the failures are errors)" if cnt["error"] else "") + ".", ""]
-    lines += [f"- K3_STRICT=1: {m}" for m in report.strict_missing]
-    lines += [f"- {m}" for m in report.nothing_judged]
-    lines += [f"- skipped `{b['name']}`: {b['reason']}" for b in report.backends if not b["available"]]
-    lines += [f"- {n}" for n in not_run_lines(report) + skip_lines(report)]
-    lines += [f"- {n}" for n in baseline_notes(report)]
-    lines += [f"- {n}" for n in flip_lines(report)]
+    lines += [f"- {plain(m)}" for m in report.run_failures() + report.nothing_judged]
+    lines += [f"- skipped `{b['name']}`: {plain(b['reason'])}" for b in report.backends if not b["available"]]
+    lines += [f"- {plain(n)}" for n in not_run_lines(report) + skip_lines(report)]
+    lines += [f"- {plain(n)}" for n in baseline_notes(report)]
+    lines += [f"- {plain(n)}" for n in flip_lines(report)]
     lines += ["", *_md_grid(report), "", "## Tensors", "",
               "| case | backend | status | tensor | max abs | rel RMS | bound | of bound | passed | worst (out vs ref) "
               "| speed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -59,6 +58,16 @@ def markdown(report: RunReport) -> str:
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {who} | {g.cap:g} | {fmt(g.k)} | {g.floor:g} | {g.reason} |")
     lines.append(f"\n(case, backend) results: {tally(report)}, in {report.wall_seconds:.1f} s.\n")
     return "\n".join(lines)
+
+
+def plain(text: str, limit: int = 4000) -> str:
+    """`text` with its HTML escaped for Markdown: a backend's words (a reason, an error, a note, a process's command
+    line) may hold tags a reader's renderer would act on; cut to `limit` characters."""
+    text = text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return "".join("\\" + ch if ch in _MARKUP else ch for ch in text)
+
+
+_MARKUP = frozenset("<>\\")   # raw HTML is what a renderer would act on (a backslash first: it could undo the escape)
 
 
 def _md_grid(report: RunReport) -> list[str]:
@@ -81,7 +90,7 @@ def _md_rows(r: CaseResult) -> list[str]:
     bounds and the gated one its cell shows, then one row counting the rest."""
     sp = "-" if r.speed is None else speed_text(r.speed)
     if r.status in ("error", "skip", "n/a"):
-        error = r.error.replace("|", "/")
+        error = plain(r.error).replace("|", "/")
         return [f"| {r.case} | {r.backend} | {r.status.upper()} | - | - | - | - | - | - | {error} | - |"]
     kept = r.tensors
     if len(kept) > MD_TENSORS:
@@ -92,13 +101,13 @@ def _md_rows(r: CaseResult) -> list[str]:
     for t in kept:
         c = t.comparison
         if c.problem and not c.exact:      # not comparable (shape, dtype, missing): the metrics are empty
-            worst = c.problem.replace("|", "/")
+            worst = plain(c.problem).replace("|", "/")
         elif c.worst_index is None or (c.max_abs == 0 and c.nonfinite_ok):   # nothing differs
             worst = "-"
         else:
             worst = f"{list(c.worst_index)}: {c.worst_out:.6g} vs {c.worst_ref:.6g}"
         if t.note:
-            worst = f"{t.note}; {worst}".replace("|", "/")
+            worst = plain(f"{t.note}; {worst}").replace("|", "/")
         share = "-" if c.exact or t.verdict.bound <= 0 else f"{_share(t):.0%}"
         passed = c.passed_line if counts_elements(r, t) else "-"
         lines.append(f"| {r.case} | {r.backend}{role} | {verdict_text(t)} | {t.tensor} | {fmt(c.max_abs)} | "

@@ -211,9 +211,7 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         say(note, "yellow")
     for line in flip_lines(report):
         say(line, "red")
-    for line in report.strict_missing:
-        say(f"K3_STRICT=1: {line}", "red")
-    for line in report.nothing_judged:
+    for line in report.run_failures() + report.nothing_judged:
         say(line, "red")
     fails = report.failures
     for r in fails[:20]:

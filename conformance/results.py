@@ -137,6 +137,14 @@ class RunReport:
     copy_bandwidth: dict          # backend -> bytes/s measured in this run
     strict_missing: list[str] = dataclasses.field(default_factory=list)   # K3_STRICT=1: backends that must run
     metadata: dict = dataclasses.field(default_factory=dict)   # what the run ran on (conformance.metadata.collect)
+    # processes a backend's kernels left running after its worker was stopped (killed then), one line per backend
+    left_running: list[str] = dataclasses.field(default_factory=list)
+    judge_problem: str = ""   # the gate tables changed while the run judged (gates.tables_changed): no verdict holds
+
+    @property
+    def refused(self) -> list[str]:
+        """One line per backend the start-up check refused: a core that breaks the interface or answers nothing."""
+        return [str(row["refused"]) for row in self.backends if row.get("refused")]
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -172,13 +180,23 @@ class RunReport:
         return {"pass": st.count("pass"), "fail": st.count("fail") + st.count("error"), "n/a": st.count("n/a"),
                 "skip": st.count("skip"), "error": st.count("error"), "total": len(st)}
 
+    def run_failures(self) -> list[str]:
+        """What fails the run besides its cells: the judge itself changed, a backend refused at start-up, one that
+        left processes running, a backend K3_STRICT needs that cannot run, one judged on nothing."""
+        return ([f"the judge was changed during the run: {self.judge_problem}"] if self.judge_problem else []) + \
+            self.refused + self.left_running + [f"K3_STRICT=1 and {m}" for m in self.strict_missing]
+
     def first_failure_line(self) -> str:
-        """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line."""
-        if self.strict_missing:
-            return f"FIRST FAILURE: K3_STRICT=1 and {self.strict_missing[0]}"
+        """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line. A changed judge, a
+        refused backend and K3_STRICT come before the cells; processes left running after them."""
+        early = [f for f in self.run_failures() if f not in self.left_running]
+        if early:
+            return f"FIRST FAILURE: {early[0]}"
         r = self.first_failure
         if r is None and self.nothing_judged:
             return f"FIRST FAILURE: {self.nothing_judged[0]}"
+        if r is None and self.left_running:
+            return f"FIRST FAILURE: {self.left_running[0]}"
         if r is None:
             c = self.counts()
             parts = [f"{c['n/a']} n/a: reference core only" if c["n/a"] else "",
@@ -190,14 +208,16 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        """1 when a gate failed, a result is an error, a backend K3_STRICT needs cannot run, or a backend the run
-        had to judge was judged on nothing (nothing_judged); else 0."""
-        return 1 if self.failures or self.strict_missing or self.nothing_judged else 0
+        """1 when a gate failed, a result is an error, or anything of run_failures() or nothing_judged holds (a
+        backend refused at start-up or judged on nothing, processes left running, a changed judge, K3_STRICT);
+        else 0."""
+        return 1 if self.failures or self.run_failures() or self.nothing_judged else 0
 
     def to_dict(self) -> dict:
         return {
             "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
             "summary": self.counts(), "strict_missing": self.strict_missing, "nothing_judged": self.nothing_judged,
+            "refused": self.refused, "left_running": self.left_running, "judge_problem": self.judge_problem,
             "wall_seconds": self.wall_seconds, "backends": self.backends,
             "copy_bandwidth": self.copy_bandwidth, "metadata": self.metadata,
             "results": [r.to_dict() for r in self.results],

@@ -20,56 +20,59 @@ reported, not gated (the free-running trace's intermediates): they are shown and
 Under K3_STRICT=1 a backend that cannot run here, other than those needing an accelerator (DEVICE_BACKENDS), fails
 the run with its reason.
 
-Every backend but the built-in NumPy references (IN_PROCESS) is untrusted: its cases run in a worker process of
-its own (conformance.isolation), each core call on its own copies of the inputs, checked for writes; a crash,
-an exit, a signal, anything raised or a core silent past the time limit is an `error` row naming the backend,
-the core and the case, and the run goes on. A per-block case runs its kernel twice on the same inputs (candidate,
-reference, candidate): the bits must agree unless the backend declares `deterministic = False`. A per-block case
-that passes on its golden is judged again on inputs drawn with a fresh seed (conformance.cases.fresh; the seed is
-in a note, K3CONF_FRESH_SEED=N replays it), against the same gates and the baseline's larger error, on those
-inputs or on the golden.
+Every backend but the built-in NumPy references (IN_PROCESS) is untrusted: its kernels run in a worker process of
+its own (conformance.isolation), which is sent each call's inputs and never a golden; the kinds, the host graph of
+the traces, the comparison and the gates run here, on what the worker sends back. A crash, an exit, a signal,
+anything raised or a core silent past the time limit is an `error` row naming the backend, the core and the case,
+and the run goes on. A per-block case runs its kernel twice on the same inputs (candidate, the worker's freed
+memory filled with NaN, candidate): the bits must agree unless the backend declares `deterministic = False`. A
+per-block case that passes on its golden is judged again on inputs drawn with a fresh seed (conformance.cases.fresh;
+the seed is in a note, K3CONF_FRESH_SEED=N replays it), against the same gates and the baseline's larger error, on
+those inputs or on the golden. Speed (conformance.timing) is measured on calls whose outputs are judged too.
 """
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import time
 import traceback
 import weakref
 from pathlib import Path
 
-from conformance.backends.registry import get_backend
+import numpy as np
+
+from conformance import timing as speed_of
+from conformance.backends.protocol import BackendBase
+from conformance.backends.registry import IN_PROCESS, get_backend
 from conformance.cases.catalog import kind_of
 from conformance.cases.fresh import PER_BLOCK_KINDS, env_seed, fresh_golden
 from conformance.cases.protocol import Case, Evaluation
 from conformance.cases.trace_names import layer_of
 from conformance.golden.errors import GoldenError
 from conformance.golden.regen import golden_problems
-from conformance.golden.store import load_manifest, manifest_entry, read_golden, regen_command
-from conformance.isolation.client import (
-    DEFAULT_TIMEOUT,
-    IsolatedEvaluation,
-    KernelFailure,
-    WorkerPool,
-    golden_where,
-)
+from conformance.golden.store import load_manifest, read_golden, regen_command
+from conformance.isolation.client import DEFAULT_TIMEOUT, WorkerPool
+from conformance.isolation.errors import KernelFailure
+from conformance.isolation.remote import RemoteBackend
 from conformance.isolation.repeat import repeat_results
 from conformance.judge import gates
 from conformance.judge.compare import Comparison, compare
 from conformance.judge.diagnose import diagnose_tensor
 from conformance.metadata import collect as collect_metadata
 from conformance.results import CaseResult, RunReport, TensorResult
-from conformance.session import SessionError, resolve_backends, strict_missing
+from conformance.session import BackendCheck, SessionError, backend_checks, in_processes, run_rows, strict_missing
 from k3ref.cores import UnsupportedShape
 from k3ref.threads import fixed_blas
 
-# The speed baseline is PyTorch eager doing the same math at the same precision: on the CPU numpy
-# vs torch per block, on a GPU the kernels vs torch eager on the same device.
-TIME_BASELINE = {"fp64": "torch64", "fp32": "torch", "bf16": "torch-bf16"}
-# The built-in NumPy references run in the run's own process: they are k3ref's code, the yardstick itself.
-IN_PROCESS = frozenset({"numpy64", "numpy32"})
 FRESH_SEED_ENV = "K3CONF_FRESH_SEED"
+__all__ = ["IN_PROCESS", "FreshRunner", "IsolatedEvaluation", "Runner", "case_runner", "fresh_seed", "run"]
+
+
+@dataclasses.dataclass
+class IsolatedEvaluation(Evaluation):
+    """An isolated backend's Evaluation; `again`: the outputs of its second call on the same inputs (per-block
+    cases: candidate, its worker's freed memory filled with NaN, candidate)."""
+
+    again: dict[str, np.ndarray] | None = None
 
 
 def fresh_seed() -> int:
@@ -83,14 +86,17 @@ class Runner:
     capped = True   # the gate rows' caps apply where measured (on the goldens of the case's shape set)
 
     def __init__(self, root: Path, config: str, timing: bool, *, timeout: float = DEFAULT_TIMEOUT,
-                 seed: int | None = None, in_process: frozenset[str] = IN_PROCESS, pool: WorkerPool | None = None):
+                 seed: int | None = None, in_process: frozenset[str] | None = None, pool: WorkerPool | None = None,
+                 handles: dict[str, BackendBase] | None = None):
         """seed: of the fresh inputs (None: per-block cases are judged on their goldens only); in_process: the
-        backends run in this process; pool: the worker processes of the others (shared with the fresh runner)."""
-        self.root, self.config, self.timing = Path(root), config, timing
-        self.seed, self.in_process = seed, in_process
+        backends run in this process; pool: the worker processes of the others (shared with the fresh runner);
+        handles: backends already loaded, by the name they were asked for (the baselines are loaded on use)."""
+        self.root, self.config, self.timing = Path(root).resolve(), config, timing
+        self.seed, self.in_process = seed, in_processes(in_process)
         self.pool = pool if pool is not None else WorkerPool(timeout)
-        self.entries: dict[str, dict] = {}   # golden path -> its manifest entry, for a worker to read it
+        self.handles: dict[str, BackendBase] = dict(handles or {})
         self.fresh: FreshRunner | None = None
+        self.judged: dict[tuple[str, str], dict] = {}   # (case, backend) -> the outputs judged (timed calls match them)
         # the runner that made the pool stops its workers, when closed or collected (a pytest session's runner)
         self._closer = weakref.finalize(self, WorkerPool.close, self.pool) if pool is None else None
         self.manifest: dict | None = None
@@ -100,6 +106,13 @@ class Runner:
         self.errors: dict[tuple[str, str], dict[str, gates.BaselineError] | None] = {}
         self.times: dict[tuple[str, str], float | None] = {}
         self.copy_bw: dict[str, float | None] = {}
+
+    def backend(self, name: str) -> BackendBase:
+        """The backend asked for by `name`: built here for the in-process references, else loaded and described
+        by its worker (never imported here)."""
+        if name not in self.handles:
+            self.handles[name] = get_backend(name) if name in self.in_process else self.pool.backend(name)
+        return self.handles[name]
 
     def golden(self, case: Case):
         if case.name not in self.goldens:
@@ -125,22 +138,22 @@ class Runner:
         return self.faults[case.name]
 
     def evaluate(self, case: Case, golden, backend) -> Evaluation:
-        """The backend's run of `case` (the TP runner takes it from its ranks instead): in this process for the
-        built-in references, else in the backend's worker (a per-block case twice, for the determinism check)."""
-        if backend.name in self.in_process:
-            return kind_of(case).evaluate(case, golden, backend)
-        return self.pool.evaluate(case, self.where(case, golden), backend, repeat=case.kind in PER_BLOCK_KINDS)
-
-    def where(self, case: Case, golden) -> dict:
-        """Where a worker reads `golden` (conformance.isolation.client.golden_where)."""
-        path = Path(golden.path)
-        root = path.parents[case.name.count("/")]   # <root>/<block>/<id>.safetensors
-        if str(path) not in self.entries:
-            self.entries[str(path)] = manifest_entry(path.read_bytes(), golden.meta)
-        return golden_where(golden, case, root, self.entries[str(path)])
+        """The backend's run of `case` (the TP runner takes it from its ranks instead). An isolated backend's
+        kernels run in its worker, called from here; a per-block case runs twice, the worker's freed memory
+        filled with NaN in between (the determinism check)."""
+        kind = kind_of(case)
+        if not isinstance(backend, RemoteBackend):
+            return kind.evaluate(case, golden, backend)
+        self.pool.case = case.name
+        first = kind.evaluate(case, golden, backend)
+        if case.kind not in PER_BLOCK_KINDS:
+            return first
+        backend.scrub()
+        again = kind.evaluate(case, golden, backend)
+        return IsolatedEvaluation(first.outputs, first.notes, first.info, again.outputs)
 
     def close(self) -> None:
-        """Stop the worker processes and remove the fresh inputs (also done when the runner is collected)."""
+        """Stop the worker processes (also done when the runner is collected)."""
         if self._closer is not None:
             self._closer()
         if self.fresh is not None:
@@ -156,53 +169,13 @@ class Runner:
         key = (case.name, name)
         if key not in self.errors:
             try:
-                b = get_backend(name)
+                b = self.backend(name)
                 ok, _ = b.available()
                 self.errors[key] = gates.errors_against(self.evaluate(case, golden, b).outputs,
-                                                            golden.group("outputs")) if ok else None
+                                                        golden.group("outputs")) if ok else None
             except Exception:  # noqa: BLE001 - a broken baseline means "cap only", never a crash
                 self.errors[key] = None
         return name, self.errors[key]
-
-    def time_of(self, case: Case, golden, backend) -> tuple[float, int] | None:
-        try:
-            if backend.name in self.in_process:
-                return kind_of(case).timing(case, golden, backend)
-            return self.pool.timing(case, self.where(case, golden), backend)   # an untrusted core never runs here
-        except Exception:  # noqa: BLE001 - a timer failure is reported as "not timed", not a failed case
-            return None
-
-    def copy_bandwidth(self, backend) -> float | None:
-        if backend.name in self.in_process:
-            return backend.copy_bandwidth()
-        try:
-            return self.pool.copy_bandwidth(backend)
-        except Exception:  # noqa: BLE001 - like a timer failure: no bandwidth ratio, not a failed case
-            return None
-
-    def speed(self, case: Case, golden, backend) -> gates.SpeedResult | None:
-        if not self.timing:
-            return None
-        t = self.time_of(case, golden, backend)
-        self.times[(case.name, backend.name)] = None if t is None else t[0]
-        if t is None:
-            return None
-        if backend.name not in self.copy_bw:
-            self.copy_bw[backend.name] = self.copy_bandwidth(backend)
-        base = TIME_BASELINE.get(backend.precision)
-        base_s = None
-        if base and base != backend.name:
-            if (case.name, base) not in self.times:
-                try:
-                    bb = get_backend(base)
-                    bt = self.time_of(case, golden, bb) if bb.available()[0] else None
-                except Exception:  # noqa: BLE001
-                    bt = None
-                self.times[(case.name, base)] = None if bt is None else bt[0]
-            base_s = self.times[(case.name, base)]
-        target = backend.speed_target(case.block)
-        return gates.judge_speed(case.block, backend.name, t[0], t[1], self.copy_bw[backend.name], base_s, target,
-                                 baseline=base if base_s else None)
 
     def run_one(self, case: Case, backend) -> CaseResult:
         """One case on one backend: run it, judge every output tensor by its gate row, then its speed."""
@@ -233,6 +206,7 @@ class Runner:
             return res
         if is_baseline:   # the baseline itself: no second run
             self.errors[(case.name, backend.name)] = gates.errors_against(run.outputs, golden.group("outputs"))
+        self.judged[(case.name, backend.name)] = run.outputs
         res.tensors = self._judge_tensors(case, golden, backend, run.outputs, run.info.tensor_notes, is_baseline)
         if isinstance(run, IsolatedEvaluation) and run.again is not None:
             cores = ", ".join(sorted(kind_of(case).cores_of(case) & backend.kernel_cores()))
@@ -246,9 +220,8 @@ class Runner:
             fault = self.golden_fault(case, golden)
             if fault:   # the golden, not the backend, is wrong: say so instead of blaming the backend
                 res.status, res.error = "error", fault
-        res.speed = self.speed(case, golden, backend)
-        if res.speed is not None and res.speed.passed is False and res.status == "pass":
-            res.status = "fail"
+        if res.status == "pass" and self.timing:
+            speed_of.judge(self, case, golden, backend, res)
         res.seconds = time.perf_counter() - t0
         return res
 
@@ -262,7 +235,7 @@ class Runner:
         if self.fresh is None:
             self.fresh = FreshRunner(self, self.seed)
         seed = self.seed
-        spec = self.pool.specs.get(backend.name, backend.name)
+        spec = backend.spec if isinstance(backend, RemoteBackend) else backend.name   # the name that loads it
         replay = f"{FRESH_SEED_ENV}={seed} k3conf run --backend {spec} --cases '{case.name}'"
         golden = self.fresh.golden(case)
         if isinstance(golden, GoldenError):
@@ -338,7 +311,7 @@ class Runner:
 
 
 class FreshRunner(Runner):
-    """The runner of one run's fresh inputs: a case's golden is drawn again with the run's seed into a work folder
+    """The runner of one run's fresh inputs: a case's golden is drawn again with the run's seed, in memory
     (conformance.cases.fresh), judged like any golden, its baseline errors measured on it (own caches), but
     against the baseline alone: the caps were measured on the goldens' inputs (gates.judge, capped=False)."""
 
@@ -350,11 +323,10 @@ class FreshRunner(Runner):
         return ""
 
     def __init__(self, parent: Runner, seed: int):
-        workdir = Path(tempfile.mkdtemp(prefix="k3conf-fresh-"))
-        super().__init__(workdir, parent.config, False, seed=None, in_process=parent.in_process, pool=parent.pool)
+        super().__init__(parent.root, parent.config, False, seed=None, in_process=parent.in_process, pool=parent.pool,
+                         handles=parent.handles)
         self.fresh_seed = seed
         self.parent = parent
-        self._remove = weakref.finalize(self, shutil.rmtree, workdir, ignore_errors=True)
 
     def baseline_errors(self, case: Case, golden,
                         precision: str) -> tuple[str | None, dict[str, gates.BaselineError] | None]:
@@ -369,52 +341,58 @@ class FreshRunner(Runner):
     def golden(self, case: Case):
         if case.name not in self.goldens:
             try:
-                self.goldens[case.name] = fresh_golden(case, self.fresh_seed, self.root)
+                self.goldens[case.name] = fresh_golden(case, self.fresh_seed)
             except Exception as e:  # noqa: BLE001 - data that cannot be drawn is said in a note, never a verdict
                 self.goldens[case.name] = GoldenError(f"{type(e).__name__}: {e}")
         return self.goldens[case.name]
 
     def close(self) -> None:
-        self._remove()   # the workers are the parent's: it stops them
+        """Nothing to remove (the draws are in memory); the workers are the parent's: it stops them."""
 
 
-def case_runner(root: Path, config: str = "tiny", timing: bool = True, *, timeout: float = DEFAULT_TIMEOUT,
-                specs: dict[str, str] | None = None) -> Runner:
+def case_runner(root: Path, config: str = "tiny", timing: bool = True, pool: WorkerPool | None = None,
+                handles: dict[str, BackendBase] | None = None) -> Runner:
     """A runner with empty caches for callers that run cases one at a time (`.run_one(case, backend)`): the
-    pytest plugin, one test item per case. Its worker processes end when it is collected or the process ends.
-    specs: backend name -> the name it was loaded by (`file.py:ATTR`), for a worker that loads it afresh."""
-    runner = Runner(root, config, timing, timeout=timeout, seed=fresh_seed())
-    runner.pool.specs = dict(specs or {})
-    return runner
+    pytest plugin, one test item per case. `pool`: the caller's worker processes (the caller closes them; without
+    one the runner makes its own, closed when it is closed or collected)."""
+    return Runner(root, config, timing, seed=fresh_seed(), pool=pool, handles=handles)
 
 
 @fixed_blas
 def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, config: str = "tiny",
         timing: bool = True, progress=None, timeout: float = DEFAULT_TIMEOUT,
-        in_process: frozenset[str] = IN_PROCESS) -> RunReport:
+        in_process: frozenset[str] | None = None, checks: list[BackendCheck] | None = None,
+        pool: WorkerPool | None = None) -> RunReport:
     """Run `cases` on the named backends (every registered one when None) against the goldens in `root`.
 
     progress: optional callable(done, total, label) called after each (case, backend). timeout: seconds an
-    isolated backend's worker may stay silent (in one core call); in_process: the backends not isolated.
+    isolated backend's worker may stay silent (in one core call); in_process: the backends not isolated;
+    checks, pool: the backends as the caller already checked them, in its worker processes (session.check_backends).
+    The pool is closed when the run ends: what its workers left running is named in the report.
     """
     t0 = time.perf_counter()
-    backends, rows = resolve_backends(backend_names)
-    runner = Runner(root, config, timing, timeout=timeout, seed=fresh_seed(), in_process=in_process)
-    runner.pool.specs = {row.get("backend", row["name"]): row["name"] for row in rows}   # a worker loads it so
-    for row in rows:   # how each backend ran, in the report
-        row["isolation"] = ("in the run's process (built-in NumPy reference)" if row["name"] in in_process
-                            else f"worker process, time limit {timeout:g} s per core call")
-    results, total = [], len(cases) * len(backends)
+    judge_at_start = gates.judge_state()
+    pool = pool if pool is not None else WorkerPool(timeout)
     try:
-        for case in cases:
-            for b in backends:
-                results.append(runner.run_one(case, b))
-                if progress:
-                    progress(len(results), total, f"{case.name} on {b.name}")
+        if checks is None:
+            checks = backend_checks(backend_names, pool, in_process)
+        rows = run_rows(checks, in_process, timeout)
+        backends = [c.backend for c in checks if c.available and not c.refused]
+        runner = Runner(root, config, timing, seed=fresh_seed(), in_process=in_process, pool=pool,
+                        handles={c.name: c.backend for c in checks})
+        results, total = [], len(cases) * len(backends)
+        try:
+            for case in cases:
+                for b in backends:
+                    results.append(runner.run_one(case, b))
+                    if progress:
+                        progress(len(results), total, f"{case.name} on {b.name}")
+        finally:
+            runner.close()
     finally:
-        runner.close()
+        pool.close()
     bw = {k: v for k, v in runner.copy_bw.items() if v}
     wall = time.perf_counter() - t0
     return RunReport(config, rows, results, wall, bw, strict_missing(rows),
-                     metadata=collect_metadata(root=root, config=config, seed=runner.seed, duration=wall))
-
+                     metadata=collect_metadata(root=root, config=config, seed=runner.seed, duration=wall),
+                     left_running=pool.left_lines(), judge_problem=gates.tables_changed(judge_at_start))

@@ -1,36 +1,55 @@
 """Preparing a run, in one place for its three front ends: `k3conf run`, the pytest plugin and `k3conf run --tp`.
 
 - `pick_cases` / `cases_of`: the cases a run selects (SessionError when a pattern matches nothing);
-- `check_backends` / `checked_backend`: each named backend built, asked whether it can run here, and an external
-  one's cores tried on a tiny input, so that a wrong signature is named before the run;
-- `golden_root`: the golden folder, refused without a manifest (naming the command that makes one);
-- `resolve_backends`, `backend_row`, `strict`, `strict_missing`: the backends a run uses, their availability rows
-  (which also say whether the run must judge the backend on something), and which of the unavailable ones fail
-  the run under K3_STRICT=1.
-Every backend is untrusted: what it says about itself (available(), kernel_cores(), its name) is checked here, once,
-before a case runs; two backends of one run may not share a name; and loading one may not change the gate table.
-Each front end turns a SessionError into its own kind of usage error; the message is the same everywhere.
+- `load_backend`, `checked_backend`, `backend_checks`, `check_backends`: each backend loaded (the built-in NumPy
+  references here, every other one by its worker process: its module is never imported in the run's process),
+  asked whether it can run here, and an external one's cores tried on tiny inputs (conformance.backends.checks,
+  called from here: the reference answers stay here), so that a wrong signature is named before the run and a
+  core that answers nothing is refused with the reason;
+- `golden_root`: the golden folder, absolute, refused without a manifest (naming the command that makes one);
+- `run_rows`, `resolve_backends`, `backend_row`, `strict`, `strict_missing`: the backends a run uses, their rows
+  in the report (which also say whether the run must judge the backend on something), and which of the
+  unavailable ones fail the run under K3_STRICT=1.
+Every backend is untrusted: what it says about itself (available(), kernel_cores(), its name) comes over the wire
+from its worker and is checked there and here, once, before a case runs; two backends of one run may not share a
+name; an external one may not take a built-in's. Each front end turns a SessionError into its own kind of usage
+error; the message is the same everywhere. A core refused by the start-up check is no usage error: the backend's
+row says why, and the run fails (exit 1) with its report written.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
+from conformance.backends import registry
+from conformance.backends.checks import check_cores, check_seed
 from conformance.backends.protocol import BackendBase, BackendError, checked_availability, checked_kernel_cores
-from conformance.backends.registry import DEVICE_BACKENDS, backend_names, get_backend, is_external
+from conformance.backends.registry import (
+    DEVICE_BACKENDS,
+    backend_names,
+    get_backend,
+    is_external,
+    known_name,
+    reserved_names,
+)
 from conformance.cases.catalog import all_cases, select
 from conformance.cases.protocol import Case
 from conformance.golden.store import MANIFEST, default_root
-from conformance.isolation.client import DEFAULT_TIMEOUT, KernelFailure, WorkerPool
-from conformance.judge import gate_table, gates
+from conformance.isolation.client import WorkerPool
+from conformance.isolation.errors import KernelFailure
+from conformance.isolation.remote import RemoteBackend
 
 # K3_STRICT: the one parsing rule of the CLI, the pytest plugin and the test suite (tests/support/strict.py)
 STRICT_ON = ("1", "true", "yes", "on")
 STRICT_OFF = ("0", "false", "no", "off", "")
+
+
+def in_processes(asked: frozenset[str] | None = None) -> frozenset[str]:
+    """The backends a run builds in its own process: `asked`, else conformance.backends.registry.IN_PROCESS as it
+    is now (k3ref's NumPy references; a test adds the backends it defines in its own process)."""
+    return registry.IN_PROCESS if asked is None else asked
 
 
 class SessionError(ValueError):
@@ -59,46 +78,100 @@ def pick_cases(config: str, patterns: list[str] | None) -> list[Case]:
 
 @dataclasses.dataclass(frozen=True)
 class BackendCheck:
-    """A backend as a run found it: whether it can run here and why (not), and the cores it supplies itself
-    (empty when it cannot run: they are asked only of a backend that can)."""
+    """A backend as a run found it: the name it was asked for, whether it can run here and why (not), the cores
+    it supplies itself (empty when it cannot run: they are asked only of a backend that can), why the start-up
+    check refused it ('' when it did not), and whether the run fails when it is judged on nothing."""
 
     backend: BackendBase
     available: bool
     reason: str
     kernel_cores: frozenset[str] = frozenset()
+    name: str = ""
+    refused: str = ""
+    must_judge: bool = True
 
 
-def checked_backend(name: str, timeout: float = DEFAULT_TIMEOUT) -> BackendCheck:
-    """The backend `name` and whether it can run here; an available one's kernel_cores() is checked against the
-    core names, and an available external backend's cores are called on tiny inputs in a worker process
-    (conformance.backends.checks.check_cores). SessionError for an unknown name, a backend that does not load,
-    that changes the gate table, whose kernel_cores() is not a set of core names, or a core that breaks the
-    interface."""
+def load_backend(name: str, pool: WorkerPool, in_process: frozenset[str] | None = None) -> BackendBase:
+    """The backend `name`: a built-in NumPy reference built here; any other one loaded and described by its worker
+    in `pool`, never imported here. SessionError for an unknown name, a backend that does not load, that
+    describes itself wrongly, or an external one that takes a built-in backend's name."""
     try:
-        with _gate_table_kept(name):
-            backend = get_backend(name)
-            ok, why = checked_availability(backend.available)
-            kernels = _kernel_cores(backend) if ok else frozenset()
-            if ok and is_external(name):
-                _check_cores(backend, name, timeout)
+        known_name(name)
     except KeyError as e:
         raise SessionError(e.args[0]) from None
+    if name in in_processes(in_process):
+        return get_backend(name)
+    try:
+        backend = pool.backend(name)
+    except (BackendError, KernelFailure) as e:
+        raise SessionError(str(e)) from None
+    if is_external(name) and (backend.name in reserved_names() or backend.name.startswith("mutant:")):
+        raise SessionError(f"{name}: the name {backend.name!r} is a built-in backend's; give yours another name")
+    return backend
+
+
+def checked_backend(name: str, pool: WorkerPool, in_process: frozenset[str] | None = None,
+                    must_judge: bool = True) -> BackendCheck:
+    """The backend `name` (load_backend) and whether it can run here; an available external backend's cores are
+    called on tiny inputs (conformance.backends.checks.check_cores, in this process: each call goes to the
+    worker, the reference is computed here): a core that breaks the interface, answers nothing or crashes is
+    `refused` with the check's message."""
+    backend = load_backend(name, pool, in_process)
+    ok, why = checked_availability(backend.available)
+    kernels: frozenset[str] = frozenset()
+    refused = ""
+    if ok:
+        try:
+            kernels = checked_kernel_cores(backend.kernel_cores(), f"backend {backend.name}")
+        except BackendError as e:
+            raise SessionError(str(e)) from None
+        if is_external(name):
+            refused = _start_up_check(backend, pool)
+    return BackendCheck(backend, ok, why, kernels, name, refused, must_judge)
+
+
+def _start_up_check(backend: BackendBase, pool: WorkerPool) -> str:
+    """'' when the backend's cores keep the interface and answer their inputs (check_cores), else the refusal.
+    A write into an input is left to the cells, which name the case."""
+    try:
+        seed = check_seed()   # a K3CONF_CHECK_SEED that is no seed is a usage error, before any core runs
     except BackendError as e:
         raise SessionError(str(e)) from None
-    return BackendCheck(backend, ok, why, kernels)
+    pool.case = "(start-up check of the cores)"
+    remote = backend if isinstance(backend, RemoteBackend) else None
+    if remote is not None:
+        remote.check_writes = False
+    try:
+        check_cores(backend, seed)
+    except (BackendError, KernelFailure) as e:
+        return f"backend {backend.name}: the start-up check of its cores failed: {e}"
+    finally:
+        if remote is not None:
+            remote.check_writes = True
+    return ""
 
 
-def check_backends(names: list[str], timeout: float = DEFAULT_TIMEOUT) -> list[BackendCheck]:
-    """checked_backend of every name; SessionError when K3_STRICT has a value strict() does not know, when two
-    names give backends of one name, or when none of them can run here."""
+def backend_checks(names: list[str] | None, pool: WorkerPool,
+                   in_process: frozenset[str] | None = None) -> list[BackendCheck]:
+    """checked_backend of every name (each once; no names: every registered backend, of which only the external
+    ones must be judged on something); SessionError when two of them are named alike."""
+    must_judge = bool(names)
+    asked = list(dict.fromkeys(names)) if names else backend_names()
+    checks = [checked_backend(n, pool, in_process, must_judge or is_external(n)) for n in asked]
+    refuse_shared_names({c.name: c.backend for c in checks})
+    return checks
+
+
+def check_backends(names: list[str] | None, pool: WorkerPool) -> list[BackendCheck]:
+    """backend_checks, for `k3conf run`; SessionError when K3_STRICT has a value strict() does not know, or when
+    none of the requested backends can run here."""
     strict()
-    checks = {name: checked_backend(name, timeout) for name in names}
-    refuse_shared_names({n: c.backend for n, c in checks.items()})
-    why_not = {n: c.reason for n, c in checks.items() if not c.available}
+    checks = backend_checks(names, pool)
+    why_not = {c.name: c.reason for c in checks if not c.available}
     if names and len(why_not) == len(checks):
         raise SessionError("none of the requested backends can run here: "
                            + "; ".join(f"{n}: {w}" for n, w in why_not.items()))
-    return list(checks.values())
+    return checks
 
 
 def refuse_shared_names(backends: dict[str, BackendBase]) -> None:
@@ -111,52 +184,6 @@ def refuse_shared_names(backends: dict[str, BackendBase]) -> None:
     if shared:
         raise SessionError("; ".join(f"backends {' and '.join(asked)} are both named {name!r}" for name, asked
                                      in shared.items()) + ": each backend of a run needs a name of its own")
-
-
-def _kernel_cores(backend: BackendBase) -> frozenset[str]:
-    """backend.kernel_cores(), checked against the core names (BackendError naming what was found)."""
-    try:
-        found = backend.kernel_cores()
-    except BackendError:
-        raise
-    except Exception as e:
-        raise BackendError(f"backend {backend.name}: kernel_cores() raised {type(e).__name__}: {e}") from e
-    return checked_kernel_cores(found, f"backend {backend.name}")
-
-
-def _check_cores(backend: BackendBase, name: str, timeout: float) -> None:
-    """check_cores in a worker process, as the run calls the backend's cores: a core that crashes, exits or hangs
-    in the check cannot take the run's process with it. Any failure (the check's BackendError, an exception of
-    the backend's own code, a crash or the time limit) becomes a BackendError with the worker's message."""
-    pool = WorkerPool(timeout)
-    pool.specs[backend.name] = name   # a worker started afresh (a device backend's) loads it by this name
-    try:
-        pool.check_cores(backend)
-    except KernelFailure as e:
-        raise BackendError(f"backend {backend.name}: the start-up check of its cores failed: {e}") from None
-    finally:
-        pool.close()
-
-
-def _gate_tables() -> tuple:
-    """The gate tables where they are built and where the verdicts read them."""
-    return (gate_table.GATES, gate_table.BASELINE_GATES, gate_table.MARGIN_BUDGETS, gate_table.SPEED_TARGETS,
-            gate_table.MEASURED, gate_table.ELEMENT_RULES, gate_table.ELEMENT_RULES_BY_SET,
-            gates.GATES, gates.BASELINE_GATES, gates.MARGIN_BUDGETS, gates.SPEED_TARGETS, gates.MEASURED,
-            gates.ELEMENT_RULES)
-
-
-@contextlib.contextmanager
-def _gate_table_kept(name: str) -> Iterator[None]:
-    """BackendError when loading backend `name` replaced a gate table (its rows are read-only: an edit raises
-    TypeError at the edit, which loading reports as an error of that backend)."""
-    before = _gate_tables()
-    try:
-        yield
-    finally:   # even when loading failed otherwise: a replaced table is the news, and the run must not go on
-        if any(a is not b for a, b in zip(before, _gate_tables(), strict=True)):
-            raise BackendError(f"backend {name}: loading it replaced the gate table (conformance.judge.gates); a "
-                               "backend is judged by the rows of conformance/judge/gate_table.py, never by its own")
 
 
 def check_report_dir(out: Path) -> None:
@@ -173,10 +200,12 @@ def check_report_dir(out: Path) -> None:
 
 
 def golden_root(golden: Path | None, config: str) -> Path:
-    """The golden folder of a run (`golden`, else the config's default one); SessionError when it is not usable
-    or has no manifest, naming the command that makes one."""
-    root = golden or default_root(config)
+    """The golden folder of a run (`golden`, else the config's default one), absolute (nothing a kernel does to
+    a working directory can move it); SessionError when it is not usable or has no manifest, naming the command
+    that makes one."""
+    root = (golden or default_root(config))
     try:
+        root = root.resolve()
         has_manifest = (root / MANIFEST).is_file()
     except OSError as e:   # a name too long, a path through a file
         raise SessionError(f"--golden {str(root)[:300]}: not usable as a golden directory ({e.strerror})") from None
@@ -186,43 +215,35 @@ def golden_root(golden: Path | None, config: str) -> Path:
     return root
 
 
-def resolve_backends(names: list[str] | None) -> tuple[list[BackendBase], list[dict]]:
-    """(runnable backends, availability rows for all requested, each name once); KeyError for an unknown name,
-    SessionError for two backends of one name or one that changes the gate table. No names: every registered
-    backend. A backend the run must judge on something (`must_judge` in its row): every requested one, and in
-    a run of every registered backend the external ones. A kernel_cores() that is not a set of core names
-    makes its backend unavailable, with the reason."""
-    must_judge = bool(names)
-    names = list(dict.fromkeys(names)) if names else backend_names()
-    runnable, rows, loaded = [], [], {}
-    for name in names:
-        try:
-            with _gate_table_kept(name):
-                b = get_backend(name)
-        except BackendError as e:
-            raise SessionError(str(e)) from None
-        loaded[name] = b
-        ok, why = checked_availability(b.available)
-        kernels: frozenset[str] = frozenset()
-        if ok:
-            try:
-                kernels = _kernel_cores(b)
-            except BackendError as e:
-                ok, why = False, str(e)
-        rows.append(backend_row(name, b, BackendCheck(b, ok, why, kernels), must_judge or is_external(name)))
-        if ok:
-            runnable.append(b)
-    refuse_shared_names(loaded)
-    return runnable, rows
+def resolve_backends(names: list[str] | None, pool: WorkerPool) -> tuple[list[BackendBase], list[dict]]:
+    """(runnable backends, report rows for all requested, each name once): backend_checks without the start-up
+    check's refusals counting as runnable."""
+    checks = backend_checks(names, pool)
+    return [c.backend for c in checks if c.available and not c.refused], run_rows(checks)
+
+
+def run_rows(checks: list[BackendCheck], in_process: frozenset[str] | None = None,
+             timeout: float | None = None) -> list[dict]:
+    """The report's row of each backend of a run (backend_row), with how it ran (in this process or in a worker
+    process, its time limit)."""
+    rows = []
+    for c in checks:
+        row = backend_row(c.name, c.backend, c, c.must_judge)
+        limit = "" if timeout is None else f", time limit {timeout:g} s per core call"
+        row["isolation"] = ("in the run's process (built-in NumPy reference)" if c.name in in_processes(in_process)
+                            else f"worker process{limit}")
+        rows.append(row)
+    return rows
 
 
 def backend_row(name: str, backend: BackendBase, check: BackendCheck, must_judge: bool) -> dict:
     """A run's row of one backend (report.json `backends`): as requested (`name`), the name its results carry
-    (`backend`), whether it can run here and why, its device, its kernel cores, and whether the run fails when
-    none of its results is a pass or a fail (conformance.results.RunReport.nothing_judged)."""
+    (`backend`), whether it can run here and why, its device, its kernel cores, why the start-up check refused
+    it ('' when it did not), and whether the run fails when none of its results is a pass or a fail
+    (conformance.results.RunReport.nothing_judged)."""
     return {"name": name, "precision": backend.precision, "available": check.available, "reason": check.reason,
             "device": backend.device, "backend": backend.name, "kernel_cores": sorted(check.kernel_cores),
-            "must_judge": must_judge}
+            "must_judge": must_judge, "refused": check.refused}
 
 
 def strict() -> bool:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 
 from . import build, runtime
-from .forcing import forced_entry, forcing
+from .forcing import forced_entries, forced_entry, forcing
 from .spec import ARCHS, BenchCase, CheckCase, EntrySpec, KernelSpec, Traffic
 
 # One wrapper module k3cuda/<block>.py per kernel; the block name is also the core's name.
@@ -27,8 +27,8 @@ ENV_OFF = ("0", "false", "no", "off")
 ENV_ON = ("", "1", "true", "yes", "on")
 
 __all__ = ["ARCHS", "BenchCase", "CheckCase", "ENV_PREFIX", "EntrySpec", "KERNEL_MODULES", "KernelSpec", "Traffic",
-           "available", "check_env", "cuda_cores", "enabled", "env_names", "force_entry", "forced_entry",
-           "kernel_module", "kernel_specs"]
+           "available", "check_env", "cuda_cores", "enabled", "env_names", "force_entry", "forced_entries",
+           "forced_entry", "kernel_module", "kernel_specs"]
 
 
 def kernel_module(block: str):

@@ -29,3 +29,8 @@ def forcing(block: str, entry: str) -> Iterator[None]:
 def forced_entry(block: str) -> str | None:
     """The entry forced for `block` in this context, else None (the wrapper picks)."""
     return _FORCED.get().get(block)
+
+
+def forced_entries() -> Mapping[str, str]:
+    """Every entry forced in this context, block -> entry (what another process must force to run the same)."""
+    return _FORCED.get()

@@ -104,15 +104,16 @@ class RouteForcing:
 
 
 def run_trace(model: K3ForCausalLM, tokens, prompt_len: int, feed: GoldenFeed | None = None,
-              routes: RouteForcing | None = None) -> dict[str, np.ndarray]:
+              routes: RouteForcing | None = None, record: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Prefill tokens[:prompt_len], then decode the rest one at a time (teacher-forced); every trace tensor
     by name, as float64 numpy (batch axis dropped). `feed` gives each layer its recorded input state;
-    `routes` gives the MoE layers choices from outside."""
+    `routes` gives the MoE layers choices from outside; `record`: the dict to record into (returned), for a
+    caller that wants to see the record grow while the trace runs (a feed's source)."""
     lm = model.language_model
     tokens = [int(t) for t in tokens]
     steps = [tokens[:prompt_len]] + [[t] for t in tokens[prompt_len:]]
     cache = model.new_cache(1)
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray] = {} if record is None else record
     with torch.no_grad(), _unforced_after(model):
         for s, step_tokens in enumerate(steps):
             state = lm.model.embed(torch.tensor([step_tokens], device=model.device))

@@ -94,6 +94,10 @@ class LazyBackend(BackendBase):
         inner = self._get()
         return None if inner is None else inner.speed_target(block)
 
+    def timed_cores(self) -> frozenset[str]:
+        inner = self._get()
+        return frozenset() if inner is None else inner.timed_cores()
+
 
 def torch_loader(name: str) -> Callable[[], BackendBase | MinimalBackend]:
     """The load() of the torch baseline `name`: ImportError with the install hint when torch is missing."""
@@ -152,6 +156,23 @@ class CudaBackend(BackendBase):
     def copy_bandwidth(self) -> float | None:
         return cuda_runtime.copy_bandwidth()
 
+    def timed_calls(self, core: str, sets: list[tuple[list, dict]], repeats: int) -> tuple[list[float], list]:
+        """Seconds of `repeats` device launches of `core`'s kernel (inputs uploaded once per set before the
+        clock starts, CUDA events), and the outputs of the core on each timed call's inputs: this package's own
+        kernels, whose launches are the calls the judge makes (conformance.isolation.timing)."""
+        if core not in self.kernel_cores():
+            raise ValueError(f"timed_calls: {core} has no enabled kernel")
+        launches = [k3cuda.kernel_module(core).device_launch(kwargs) for _, kwargs in sets]
+        for launch in launches:
+            launch()   # warm-up
+        fn = getattr(self.cores(), core)
+        seconds, outs = [], []
+        for r in range(repeats):
+            seconds.append(cuda_runtime.time_fn(launches[r % len(sets)], warmup=0, iters=1))
+            args, kwargs = sets[r % len(sets)]
+            outs.append(fn(*args, **kwargs))
+        return seconds, outs
+
     def speed_target(self, block: str) -> float | None:
         """None: report only. The golden cases are toy-sized, so a kernel on them is launch-bound and no
         bandwidth target means anything there; the targets (BenchCase.target_bw_ratio) are gated by
@@ -193,6 +214,9 @@ class CudaEmuBackend(CudaBackend):
 
     def time_core(self, core: str, inputs: dict) -> float | None:
         return None  # emulated time says nothing about the GPU
+
+    def timed_cores(self) -> frozenset[str]:
+        return frozenset()  # emulated time says nothing about the GPU
 
     def copy_bandwidth(self) -> float | None:
         return None

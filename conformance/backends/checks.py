@@ -26,6 +26,7 @@ from conformance.cases.core import CORE_SPECS, CORE_TABLE, CoreSpec
 from conformance.cases.fresh import env_seed
 from conformance.cases.inputs import cast, fp32_kept
 from conformance.cases.protocol import case_seed
+from conformance.isolation.errors import RaisedInWorker
 from conformance.judge.compare import compare
 from conformance.judge.gates import gate_for
 from k3ref.cores import UnsupportedShape, reference_cores
@@ -92,11 +93,13 @@ def _call(backend: BackendBase, fn, spec: CoreSpec, case: str, params: dict, dra
         got = fn(**cast_inputs, **kwargs)
     except UnsupportedShape:
         return None
-    except TypeError as e:
-        raise BackendError(f"{where}: the call raised TypeError: {e}; expected the signature "
-                           f"{spec.core}{_plain_signature(ref)} (docs/interfaces.md)") from e
     except Exception as e:
-        raise BackendError(f"{where}: the call raised {type(e).__name__}: {e}") from e
+        if isinstance(e, TypeError) or (isinstance(e, RaisedInWorker) and e.type_name == "TypeError"):
+            said = e.text if isinstance(e, RaisedInWorker) else str(e)
+            raise BackendError(f"{where}: the call raised TypeError: {said}; expected the signature "
+                               f"{spec.core}{_plain_signature(ref)} (docs/interfaces.md)") from e
+        said = str(e) if isinstance(e, RaisedInWorker) else f"{type(e).__name__}: {e}"   # it names its type
+        raise BackendError(f"{where}: the call raised {said}") from e
     _compare_outputs(where, got, want, spec.outputs)
     return _Call(where, _canonical(spec, inputs, got), _canonical(spec, inputs, want))
 

@@ -58,6 +58,9 @@ class MutantBackend(BackendBase):
     def time_core(self, core: str, inputs: dict) -> float | None:
         return None   # a mutant is about being caught, not about speed
 
+    def timed_cores(self) -> frozenset[str]:
+        return frozenset()   # a mutant is about being caught, not about speed
+
 
 def _kda_l2_eps_1e12(base: Cores) -> Cores:
     """KDA with L2(x) = x / sqrt(sum(x^2) + 1e-12): exact otherwise (k3ref's gate and recurrence)."""

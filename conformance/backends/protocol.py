@@ -151,6 +151,11 @@ class BackendBase(abc.ABC):
         """The bandwidth ratio `block` must reach; None: reported, not gated."""
         return None
 
+    def timed_cores(self) -> frozenset[str]:
+        """The cores the judge times (conformance.isolation.timing): the kernel cores, unless the backend's time
+        says nothing (an emulation of a GPU)."""
+        return self.kernel_cores()
+
     def run_notes(self) -> list[str]:
         """Lines for the report about the core calls since the last ask (which implementation ran, the limits of
         the verdict); none by default."""
@@ -187,6 +192,9 @@ class WrappedBackend(BackendBase):
     def speed_target(self, block: str) -> float | None:
         return self.inner.speed_target(block)
 
+    def timed_cores(self) -> frozenset[str]:
+        return self.inner.timed_cores()
+
     def run_notes(self) -> list[str]:
         return self.inner.run_notes()
 
@@ -202,6 +210,13 @@ class WholeModelBackend(BackendBase):
 
     def time_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int) -> tuple[float, int] | None:
         """(seconds, bytes) of one whole trace; None: not timed."""
+        return None
+
+    def timed_trace(self, case: Any, golden: Any, config_json: Mapping, prompt_len: int, router_budget: float,
+                    repeats: int) -> tuple[list[float], list[dict]] | None:
+        """The judge's timing of the trace: seconds and outputs of each of `repeats` runs; None: not timed. Only
+        a whole model in a worker is timed so (conformance.isolation.remote.RemoteWholeModel); its own
+        time_trace is not asked."""
         return None
 
 

@@ -41,17 +41,19 @@ from conformance.backends.protocol import (
     ALL_CORES,
     BackendBase,
     MinimalBackend,
-    checked_availability,
     kernel_cores,
 )
 from conformance.backends.tensors import adapt
 from k3ref.cores import reference_cores
 
-__all__ = ["ALL_CORES", "BACKENDS", "DEVICE_BACKENDS", "MUTANTS", "ON_REQUEST", "Mutant", "NumpyBackend",
-           "availability", "backend_names", "get_backend", "is_external", "kernel_cores", "reference_cores",
-           "registered_name", "reserved_names"]
+__all__ = ["ALL_CORES", "BACKENDS", "DEVICE_BACKENDS", "IN_PROCESS", "MUTANTS", "ON_REQUEST", "Mutant",
+           "NumpyBackend", "backend_names", "get_backend", "is_external", "kernel_cores", "known_name",
+           "reference_cores", "registered_name", "reserved_names"]
 
 DEVICE_BACKENDS = frozenset({"cuda"})
+# The built-in NumPy references run in the run's own process: they are k3ref's code, the yardstick itself. Every
+# other backend runs in a worker process (conformance.isolation) and is never built in the run's process.
+IN_PROCESS = frozenset({"numpy64", "numpy32"})
 Factory = Callable[[], BackendBase | MinimalBackend]
 
 BACKENDS: dict[str, Factory] = {
@@ -93,6 +95,19 @@ def backend_names() -> list[str]:
     return list(BACKENDS) + [n for n in external.entry_points() if n not in reserved_names()]
 
 
+def known_name(name: str) -> None:
+    """KeyError naming the choices when `name` is no backend this registry can build, found without building it
+    (and so without importing an external backend's module)."""
+    if name.startswith("mutant:"):
+        if name[len("mutant:"):] not in MUTANTS:
+            raise KeyError(f"unknown mutant {name!r}; known: {['mutant:' + m for m in MUTANTS]}")
+        return
+    if name in BACKENDS or name in ON_REQUEST or external.is_spec(name) or name in external.entry_points():
+        return
+    raise KeyError(f"unknown backend {name!r}; known: {backend_names()}, mutant:<{'|'.join(MUTANTS)}> "
+                   "or MODULE:ATTR (an external backend)")
+
+
 def get_backend(name: str) -> BackendBase:
     """The backend called `name` (built once per process); KeyError naming the choices when unknown,
     conformance.backends.external.BackendError (a ValueError) naming what is wrong when a MODULE:ATTR cannot load."""
@@ -125,13 +140,3 @@ def _build(name: str) -> BackendBase:
         return external.from_entry_point(name, reserved=reserved_names())
     raise KeyError(f"unknown backend {name!r}; known: {backend_names()}, mutant:<{'|'.join(MUTANTS)}> "
                    "or MODULE:ATTR (an external backend)")
-
-
-def availability() -> list[tuple[str, str, bool, str]]:
-    """(name, precision, available, reason) for every registered backend."""
-    rows = []
-    for name in backend_names():
-        b = get_backend(name)
-        ok, why = checked_availability(b.available)
-        rows.append((name, b.precision, ok, why))
-    return rows

@@ -21,6 +21,7 @@ host perf_counter intervals.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import statistics
 import time
@@ -254,19 +255,43 @@ class TorchTensorBackend(WrappedBackend):
         backend does not supply."""
         if core not in self._on_device():
             return None
+        repeats = CUDA_REPEATS if self.torch_device.type == "cuda" else CPU_REPEATS
+        return statistics.median(self.timed_calls(core, [([], inputs)], repeats)[0])
+
+    def timed_cores(self) -> frozenset[str]:
+        return self._on_device()
+
+    def timed_calls(self, core: str, sets: list[tuple[list, dict]], repeats: int) -> tuple[list[float], list]:
+        """Seconds and NumPy outputs of `repeats` calls of the inner core on device tensors, the input sets in
+        turn, each set uploaded once before the clock starts (module docstring); warm-up calls first. On CUDA
+        each call is bracketed by events after an L2 flush; InputWritten when a call wrote into an input."""
         fn = getattr(self.inner.cores(), core)
         device = self.torch_device
-        upload = _Upload(core, self.precision, device)
-        tensors = {k: upload.put(k, v) for k, v in inputs.items()}
-        if isinstance(fn, _Prepared):
-            prepared = fn.prepare(**tensors)
-            launch: Callable[[], object] = lambda: fn.compute(**prepared)   # noqa: E731
-        else:
-            launch = lambda: fn(**tensors)   # noqa: E731
-        if device.type == "cuda":
-            nbytes = sum(t.numel() * t.element_size() for _, t, _ in upload.watched)
-            return _cuda_median(launch, device, nbytes)
-        return _cpu_median(launch)
+        names = _param_names(core)
+        uploads: list[_Upload] = []
+        launches: list[Callable[[], Any]] = []
+        for args, kwargs in sets:
+            upload = _Upload(core, self.precision, device)
+            targs = [upload.put(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args)]
+            tkw = {k: upload.put(k, v) for k, v in kwargs.items()}
+            uploads.append(upload)
+            if isinstance(fn, _Prepared):
+                launches.append(functools.partial(fn.compute, **fn.prepare(*targs, **tkw)))
+            else:
+                launches.append(functools.partial(fn, *targs, **tkw))
+        timer = _CudaTimer(device) if device.type == "cuda" else _host_timer
+        warmup = CUDA_WARMUP if device.type == "cuda" else CPU_WARMUP
+        for r in range(warmup * len(sets)):
+            launches[r % len(sets)]()
+        seconds, results = [], []
+        for r in range(repeats):
+            t, out = timer(launches[r % len(sets)])
+            seconds.append(t)
+            results.append(out)
+        written = sorted({name for u in uploads for name in u.written()})
+        if written:
+            raise InputWritten(core, written)
+        return seconds, [self._to_numpy(core, out, device) for out in results]
 
 
 def adapt(obj: BackendBase | MinimalBackend) -> BackendBase:
@@ -276,36 +301,29 @@ def adapt(obj: BackendBase | MinimalBackend) -> BackendBase:
     return TorchTensorBackend(backend) if backend.tensors == "torch" else backend
 
 
-def _cpu_median(launch: Callable[[], object]) -> float:
-    for _ in range(CPU_WARMUP):
-        launch()
-    times = []
-    for _ in range(CPU_REPEATS):
-        t0 = time.perf_counter()
-        launch()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _host_timer(launch: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = launch()
+    return time.perf_counter() - t0, out
 
 
-def _cuda_median(launch: Callable[[], object], device: torch.device, nbytes: int) -> float:
-    """tools/gpu_bench.py's time_fn on torch: a memset of twice the L2 before each repetition evicts the inputs
-    (cases are gated against DRAM bandwidth); one launch per event pair when the inputs fit in twice the L2 (a
-    second launch would find them there), MANY_LAUNCHES otherwise; the only host sync is after the last pair."""
-    torch = _torch()
-    l2 = int(torch.cuda.get_device_properties(device).L2_cache_size)
-    flush_buffer = torch.empty(2 * l2, dtype=torch.uint8, device=device)
-    launches = 1 if nbytes < 2 * l2 else MANY_LAUNCHES
-    with torch.cuda.device(device):
-        for _ in range(CUDA_WARMUP):
-            launch()
-        pairs = []
-        for _ in range(CUDA_REPEATS):
-            flush_buffer.zero_()
+class _CudaTimer:
+    """One launch between CUDA events after a memset of twice the L2 (tools/gpu_bench.py's time_fn on torch), so
+    the inputs come from DRAM as cases are gated against DRAM bandwidth."""
+
+    def __init__(self, device: torch.device):
+        torch = _torch()
+        self.device = device
+        l2 = int(torch.cuda.get_device_properties(device).L2_cache_size)
+        self.flush_buffer = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+
+    def __call__(self, launch: Callable[[], Any]) -> tuple[float, Any]:
+        torch = _torch()
+        with torch.cuda.device(self.device):
+            self.flush_buffer.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(launches):
-                launch()
+            out = launch()
             end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize(device)
-    return statistics.median(start.elapsed_time(end) * 1e-3 / launches for start, end in pairs)
+            end.synchronize()
+        return start.elapsed_time(end) * 1e-3, out

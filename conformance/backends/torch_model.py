@@ -152,6 +152,9 @@ class TorchModelBackend(WholeModelBackend):
         return True, (f"k3torch.K3ForCausalLM, torch {torch.__version__} {_DTYPE_WORDS[self.precision]} on "
                       f"{self.torch_device}; model traces only")
 
+    def timed_cores(self) -> frozenset[str]:
+        return frozenset()   # no cores: its whole traces are timed (WholeModelBackend.timed_trace)
+
     def cores(self) -> Cores:
         raise UnsupportedShape(f"{self.name} runs whole model traces only (an eager PyTorch model, no "
                                "swappable cores): n/a for the per-block cases")
@@ -189,18 +192,33 @@ class TorchModelBackend(WholeModelBackend):
         model = self._model(config_json, golden)
         feed = None
         if golden.kwargs.get("mode") == "layerwise":
-            feed = GoldenFeed(self._recorded_inputs(golden.group("inter")), model)
+            feed = GoldenFeed(RecordedInputs(golden.group("inter"), self.precision), model)
         routes = golden_route_forcing(golden.group("inter"), router_budget)
+        out: dict[str, np.ndarray] = {}
+        golden.watch(out)   # each layer's golden input is served after the outputs recorded before it
         with cpu_threads(self.torch_device):
-            out = run_trace(model, golden.group("inputs")["tokens"], prompt_len, feed, routes)
+            run_trace(model, golden.group("inputs")["tokens"], prompt_len, feed, routes, record=out)
         return Evaluation(out, info=RunInfo(teacher_forced={"router": routes.forced}))
 
-    def _recorded_inputs(self, inter: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        """The golden's layer inputs as a run at this precision holds them: bf16 rounded, KDA state kept fp32."""
+
+class RecordedInputs(Mapping):
+    """The golden's layer inputs (read one key at a time) as a run at `precision` holds them: bf16 rounded, the
+    KDA recurrent state kept fp32."""
+
+    def __init__(self, inter: Mapping[str, np.ndarray], precision: str):
+        self.inter, self.precision = inter, precision
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        value = self.inter[key]
         if self.precision != "bf16":
-            return inter
-        keep32 = fp32_kept(self.precision)
-        return {k: cast(v, keep32 if k.endswith(".kda.recurrent") else self.precision) for k, v in inter.items()}
+            return value
+        return cast(value, fp32_kept(self.precision) if key.endswith(".kda.recurrent") else self.precision)
+
+    def __iter__(self):
+        return iter(self.inter)
+
+    def __len__(self) -> int:
+        return len(self.inter)
 
 
 _DTYPE_WORDS = {"fp32": "float32", "bf16": "bfloat16"}

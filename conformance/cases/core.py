@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
 from collections.abc import Mapping
 
 import numpy as np
@@ -21,7 +22,7 @@ from conformance.cases.core_data import BUILDERS
 from conformance.cases.core_spec import CoreSpec
 from conformance.cases.core_table import TABLE as _HOST_TABLE
 from conformance.cases.inputs import cast, fp32_kept, nbytes
-from conformance.cases.protocol import Case, Content, Evaluation, KindBase, case_seed
+from conformance.cases.protocol import Case, Content, Evaluation, KindBase, Timed, Timer, case_seed
 from conformance.cases.routes import route_canonical
 from k3ref import kda, ops
 from k3ref.cores import Cores, reference_cores
@@ -29,6 +30,8 @@ from k3ref.cores import Cores, reference_cores
 # A core case's kwarg naming the kernel entry it must exercise (case param `entry`): not passed to the core;
 # the run is wrapped in k3cuda.force_entry(block, entry), which only the CUDA cores read.
 ENTRY_KEY = "kernel_entry"
+# timed calls per case (after one untimed warm-up call per input set): the median of 5, each call's outputs checked
+TIMED_CALLS = 5
 
 def _named(outputs: tuple[str, ...], result) -> dict[str, np.ndarray]:
     vals = result if isinstance(result, tuple) else (result,)
@@ -88,17 +91,25 @@ class CoreKind(KindBase):
     def cores_of(self, case: Case) -> frozenset[str]:
         return frozenset({self.specs[case.block].core})
 
-    def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
-        inputs, kwargs = self._inputs(golden, backend)
-        kwargs = dict(kwargs)
-        core = self.specs[case.block].core
-        with _forced_entry(core, kwargs.pop(ENTRY_KEY, None)):
-            seconds = backend.time_core(core, {**inputs, **kwargs})
-        if seconds is None:
+    def timing(self, case: Case, goldens: list, backend, timer: Timer) -> Timed | None:
+        """The core timed on each golden's inputs in turn (the case's, then a fresh draw's); None for a core the
+        backend does not time. Bytes: every input read once and every output written once, a floor for any
+        kernel."""
+        spec = self.specs[case.block]
+        if spec.core not in backend.timed_cores():
             return None
-        outs = [cast(v, backend.precision) for v in golden.group("outputs").values()]
-        # bytes moved: every input read once + every output written once (a lower bound for any kernel)
-        return seconds, nbytes(inputs.values()) + nbytes(outs)
+        sets, entry = [], None
+        for golden in goldens:
+            inputs, kwargs = self._inputs(golden, backend)
+            kwargs = dict(kwargs)
+            entry = kwargs.pop(ENTRY_KEY, None)
+            sets.append((inputs, kwargs))
+        with _forced_entry(spec.core, entry):
+            seconds, results = timer(backend, spec.core, [([], {**i, **k}) for i, k in sets], TIMED_CALLS)
+        calls = [(r % len(sets), spec.normal_form(sets[r % len(sets)][0], _named(spec.outputs, out)))
+                 for r, out in enumerate(results)]
+        outs = [cast(v, backend.precision) for v in goldens[0].group("outputs").values()]
+        return Timed(statistics.median(seconds), nbytes(sets[0][0].values()) + nbytes(outs), calls)
 
 
 def _forced_entry(core: str, entry: str | None):

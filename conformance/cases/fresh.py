@@ -2,9 +2,11 @@
 not have seen (a kernel that returns stored outputs, zeros, or its first answer passes no fresh golden).
 
 The fresh golden is made the way a committed one is: the kind's own generator computes the float64 reference
-on the fly, the golden store encodes it into a file listed in a manifest under a work directory, and
-`read_golden` reads it back with every check a committed golden gets. Only the seed differs, recorded in the
-golden's metadata for replay (`dataclasses.replace(case, seed=...)` regenerates the very same file).
+on the fly, the golden store encodes it into the bytes of a golden file, and they are read back with every check
+a committed golden gets. It stays in the run's memory: a file, even in a private temporary folder, could be read
+by a kernel's process (the same user), and the fresh draw is what a memoriser of answers must not see. Given a
+work directory (tools, tests), the file is also written there with its manifest. Only the seed differs, recorded in
+the golden's metadata for replay (`dataclasses.replace(case, seed=...)` regenerates the very same bytes).
 
 Per-block kinds only: a trace's data is a model preset and a prompt, not a seeded draw of a block's inputs.
 """
@@ -22,6 +24,7 @@ from conformance.golden.regen import build_blob
 from conformance.golden.store import (
     Golden,
     decode,
+    golden_of_bytes,
     golden_path,
     load_manifest,
     manifest_entry,
@@ -61,16 +64,18 @@ def fresh_case(case: Case, seed: int) -> Case | None:
     return dataclasses.replace(case, seed=int(seed))
 
 
-def fresh_golden(case: Case, seed: int, workdir: Path) -> Golden | None:
-    """The golden of `case` drawn with `seed`, written under `workdir` (file + MANIFEST.json, as `k3conf regen`
-    writes them) and read back by `read_golden`; None for the trace cases (see fresh_case).
-
-    An earlier fresh golden of the same case in `workdir` is replaced; the manifest keeps the other cases' rows."""
+def fresh_golden(case: Case, seed: int, workdir: Path | None = None) -> Golden | None:
+    """The golden of `case` drawn with `seed`, read by the store's rules from its bytes in memory; None for the
+    trace cases (see fresh_case). With `workdir` it is written there too (file + MANIFEST.json, as `k3conf regen`
+    writes them) and read back by `read_golden`: an earlier fresh golden of the same case in `workdir` is replaced;
+    the manifest keeps the other cases' rows."""
     fresh = fresh_case(case, seed)
     if fresh is None:
         return None
-    root = Path(workdir)
     blob = build_blob(fresh)
+    if workdir is None:
+        return golden_of_bytes(blob, case.name, case.config, Path(f"(fresh draw, seed {seed}, in memory)") / case.name)
+    root = Path(workdir)
     path = golden_path(root, case.name)
     meta, _ = decode(blob, str(path), regen_command(case.name, case.config))
     with regen_lock(root):   # one manifest per work directory: concurrent writers must not drop each other's rows

@@ -12,7 +12,7 @@ import numpy as np
 
 from conformance.cases.engine_routes import route_notes, through_engine
 from conformance.cases.inputs import cast, cast_weights
-from conformance.cases.protocol import Case, Content, Evaluation, KindBase, case_seed
+from conformance.cases.protocol import Case, Content, Evaluation, KindBase, Timed, Timer, case_seed
 from conformance.cases.routes import route_canonical, route_stable
 from k3ref.latent_moe import LatentMoeConfig, latent_moe_forward, random_moe_weights, sigmoid_topk
 
@@ -77,6 +77,6 @@ class LatentMoeKind(KindBase):
     def cores_of(self, case: Case) -> frozenset[str]:
         return frozenset({"moe_route", "mxfp4_gemv", "situ_glu", "rmsnorm", "moe_experts", "add_rmsnorm"})
 
-    def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
+    def timing(self, case: Case, goldens: list, backend, timer: Timer) -> Timed | None:
         return None   # a composite of many cores: the cores are timed in their own cases
 

@@ -9,8 +9,8 @@ own name), so callers ask every kind the same questions without probing for meth
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,6 +60,23 @@ class RunInfo:
 
 
 @dataclasses.dataclass
+class Timed:
+    """A kind's timing of a backend on a case: the median seconds of one call, the bytes one call moves (every
+    input read and every output written once: a floor for any kernel; 0 when not counted), and every timed call's
+    outputs by name, each with the index of the golden whose inputs it ran on (the run holds them to the outputs
+    the backend gave when judged on those inputs)."""
+
+    seconds: float
+    nbytes: int
+    calls: list[tuple[int, dict[str, np.ndarray]]]
+
+
+# timer(backend, core, sets, repeats) -> (seconds, outputs) of `repeats` calls of `core` on the input sets in turn
+# (conformance.isolation.timing.timed_calls, in the backend's worker for an isolated one)
+Timer = Callable[[Any, str, list, int], tuple[list[float], list]]
+
+
+@dataclasses.dataclass
 class Evaluation:
     """A backend's run of one case: its outputs by name (without the 'outputs.' prefix), the lines the report
     shows with the result (e.g. cores that fell back to the reference) and what the kind learned (RunInfo)."""
@@ -86,8 +103,9 @@ class CaseKind(Protocol):
     def block_of(self, case: Case, tensor: str) -> str:
         """The block a tensor belongs to (gate row and the name in a first-failure line)."""
 
-    def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
-        """(median seconds, bytes moved) of the backend on this case, or None when not timed."""
+    def timing(self, case: Case, goldens: list, backend, timer: Timer) -> Timed | None:
+        """The backend timed on the inputs of `goldens` (the case's golden, then a fresh draw when there is one),
+        or None when the case is not timed."""
 
     def cores_of(self, case: Case) -> frozenset[str]:
         """The cores the case exercises: a backend supplying none of them itself gets "n/a (reference core)"."""
@@ -112,7 +130,7 @@ class KindBase:
     def block_of(self, case: Case, tensor: str) -> str:
         return case.block
 
-    def timing(self, case: Case, golden, backend) -> tuple[float, int] | None:
+    def timing(self, case: Case, goldens: list, backend, timer: Timer) -> Timed | None:
         return None
 
     def cores_of(self, case: Case) -> frozenset[str]:

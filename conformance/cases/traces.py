@@ -34,13 +34,15 @@ params `prompt` and `decode` (the lengths, default 7 and 5) say so and are store
 """
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 
 from conformance.backends.protocol import WholeModelBackend
 from conformance.backends.torch_model import verify_trace_golden
 from conformance.cases.engine_routes import HOST_CORES, TRACE_CORES, route_notes, through_engine
 from conformance.cases.inputs import cast_weights
-from conformance.cases.protocol import Case, Content, Evaluation, KindBase, RunInfo
+from conformance.cases.protocol import Case, Content, Evaluation, KindBase, RunInfo, Timed, Timer
 from conformance.cases.trace_names import TraceName
 from conformance.cases.trace_run import (
     DECODE_STEPS,
@@ -63,6 +65,7 @@ from k3ref.greedy import greedy_decode
 from k3ref.weights import synthetic_weights
 
 WEIGHT_SEED = 7
+TIMED_TRACES = 3   # timed runs of a whole model's free trace (after an untimed warm-up run), each run's outputs checked
 # A golden whose router or argmax margin is below these sits on a tie: its choice would be arbitrary and a
 # float32 backend could flip it. Router margins are in selection-score units (sigmoid + bias, ~0.1 apart),
 # argmax margins in logits; float32 moves either by ~1e-6 on these traces, so 1e-4 leaves 100x.
@@ -223,11 +226,22 @@ class TraceKind(KindBase):
                 None if seen.worst_err is None or err.worst_err is None else max(seen.worst_err, err.worst_err))
         return {**errs, **{tensor: worst[what] for tensor, what in per_step.items()}}
 
-    def timing(self, case: Case, golden, backend):
-        if isinstance(backend, WholeModelBackend):   # the whole trace is what it times
-            cfg = K3Config.preset(golden.kwargs.get("config", model_name(case)))
-            return backend.time_trace(case, golden, cfg.to_json(), golden.kwargs.get("prompt", len(PROMPT)))
-        return None  # cores are timed in their own cases
+    def timing(self, case: Case, goldens: list, backend, timer: Timer) -> Timed | None:
+        """A whole model's free-running trace, timed whole (the cores of a core backend are timed in their own
+        cases); the near-tie tokens of each timed run forced as in the judged one. None elsewhere."""
+        if not isinstance(backend, WholeModelBackend) or case.params["mode"] != "free":
+            return None
+        golden = goldens[0]
+        cfg = K3Config.preset(golden.kwargs.get("config", model_name(case)))
+        budgets = forcing_budgets(backend.precision)
+        timed = backend.timed_trace(case, golden, cfg.to_json(), golden.kwargs.get("prompt", len(PROMPT)),
+                                    budgets.get("router", 0.0), TIMED_TRACES)
+        if timed is None:
+            return None
+        seconds, runs = timed
+        for outputs in runs:
+            judge_tokens(golden, outputs, budgets.get("argmax", 0.0), RunInfo(teacher_forced={"argmax": 0}))
+        return Timed(statistics.median(seconds), 0, [(0, outputs) for outputs in runs])
 
 
 def judge_tokens(golden, outputs: dict, budget: float, info: RunInfo) -> None:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 from conformance.cli.usage import UsageError
@@ -186,7 +187,13 @@ def read_report(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise UsageError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); expected the "
                          "report.json a `k3conf run --report DIR` writes") from None
-    problem = _report_problem(data)
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested deeper than Python reads ({sys.getrecursionlimit()} levels); "
+                         "expected the report.json a `k3conf run --report DIR` writes") from None
+    try:
+        problem = _report_problem(data)
+    except RecursionError:
+        problem = "nested deeper than a report is"
     if problem:
         raise UsageError(f"{path}: not a k3conf report.json: {problem}; expected the report.json a "
                          "`k3conf run --report DIR` writes")

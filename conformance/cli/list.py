@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from conformance.backends.protocol import ALL_CORES
-from conformance.backends.registry import MUTANTS, ON_REQUEST, availability, get_backend
+from conformance.backends.registry import MUTANTS, ON_REQUEST
 from conformance.cases.catalog import all_cases
 from conformance.cases.protocol import CONFIGS
 from conformance.cli.usage import UsageError, check_cuda_env
+from conformance.isolation.client import WorkerPool
 from conformance.judge.gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
+from conformance.session import SessionError, backend_checks
 
 SECTIONS = ("cases", "backends", "mutants", "gates")
 
@@ -32,11 +34,19 @@ def run(args) -> int:
         for c in cases:
             print(f"  {c.name:48s} kind={c.kind} seed={c.seed}")
     if "backends" in what:
-        print("backends:")
-        for name, prec, ok, why in availability():
-            own = get_backend(name).kernel_cores() if ok else ALL_CORES
+        print("backends (each but the NumPy references loaded by a worker process of its own):")
+        pool = WorkerPool()
+        try:
+            checks = backend_checks(None, pool)
+        except SessionError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            pool.close()
+        for check in checks:
+            own = check.kernel_cores if check.available else ALL_CORES
             only = "" if own == ALL_CORES else f" [kernels: {', '.join(sorted(own))}; other cores: k3ref's]"
-            print(f"  {name:12s} {prec:5s} {'available' if ok else 'skipped'}: {why}{only}")
+            state = "refused" if check.refused else "available" if check.available else "skipped"
+            print(f"  {check.name:12s} {check.backend.precision:5s} {state}: {check.refused or check.reason}{only}")
         print(f"  run only when named with --backend: {', '.join(ON_REQUEST)}")
     if "mutants" in what:
         print("mutants (run with --backend mutant:<name>):")

@@ -11,7 +11,8 @@ from rich.progress import Progress
 from conformance import report as rep
 from conformance.cases.protocol import CONFIGS
 from conformance.cli.usage import check_cuda_env
-from conformance.isolation.client import DEFAULT_TIMEOUT
+from conformance.isolation.client import DEFAULT_TIMEOUT, WorkerPool
+from conformance.isolation.processes import guard_this_process
 from conformance.runner import run as run_cases
 from conformance.session import check_backends, check_report_dir, golden_root, pick_cases
 from conformance.tp.cli import run_tp_command
@@ -75,22 +76,29 @@ def add_tp_options(p) -> None:
 
 def run(args) -> int:
     check_cuda_env()
+    guard_this_process()   # the goldens and the judge live here: no other process of this user reads them
     if args.tp != 1:
         return run_tp_command(args)
     cases = pick_cases(args.config, args.cases)
-    check_backends(args.backend or [], args.timeout)
     root = golden_root(args.golden, args.config)
-    check_report_dir(args.report)
+    report_dir = args.report.resolve()
+    check_report_dir(report_dir)
+    pool = WorkerPool(args.timeout)
+    try:
+        checks = check_backends(args.backend, pool)
+    except BaseException:
+        pool.close()
+        raise
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    report = run_with_progress(cases, args, root, console)
-    return rep.present(report, args.report, "k3conf run", console)
+    report = run_with_progress(cases, args, root, console, checks, pool)
+    return rep.present(report, report_dir, "k3conf run", console)
 
 
-def run_with_progress(cases, args, root: Path, console):
+def run_with_progress(cases, args, root: Path, console, checks, pool):
     """The run's report; a progress bar on a terminal when there are more than a handful of cases."""
     if not (console.is_terminal and len(cases) > 10):
         return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
-                         timeout=args.timeout)
+                         timeout=args.timeout, checks=checks, pool=pool)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("k3conf run", total=None)
 
@@ -98,4 +106,4 @@ def run_with_progress(cases, args, root: Path, console):
             bar.update(task, completed=done, total=total, description=label)
 
         return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
-                         timeout=args.timeout, progress=progress)
+                         timeout=args.timeout, progress=progress, checks=checks, pool=pool)

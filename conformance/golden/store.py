@@ -153,6 +153,11 @@ class Golden:
         p = group + "."
         return {k[len(p):]: v for k, v in self.tensors.items() if k.startswith(p)}
 
+    def watch(self, record: Mapping[str, object]) -> None:
+        """Nothing: a whole model run beside its golden (a test) is given every layer input at once. In a worker
+        the model holds a conformance.isolation.trace_view.TraceView instead, which serves each layer's input
+        after the outputs recorded in `record` before it."""
+
     def require(self, names: Iterable[str]) -> None:
         """Raise GoldenError unless every full tensor name in `names` is present."""
         missing = sorted(set(names) - set(self.tensors))
@@ -239,6 +244,20 @@ def read_golden(root: Path, case: str, manifest: dict | None = None, config: str
 
     manifest = load_manifest(root) if manifest is None else manifest
     blob = _listed_bytes(root, path, manifest, bad, fix)
+    meta, tensors = decode(blob, str(path), fix)
+    _check_contents(case, config, path, meta, tensors, bad)
+    return Golden(case, path, meta, tensors)
+
+
+def golden_of_bytes(blob: bytes, case: str, config: str, path: Path) -> Golden:
+    """A golden made in memory (a fresh draw): the bytes `k3conf regen` would write, read by the same rules as a file
+    (safetensors, schema, metadata, names), never written where another process could read it. `path` names it in
+    messages."""
+    fix = regen_command(case, config)
+
+    def bad(what: str) -> GoldenError:
+        return GoldenError(f"{path}: {what}. Regenerate it with: {fix}")
+
     meta, tensors = decode(blob, str(path), fix)
     _check_contents(case, config, path, meta, tensors, bad)
     return Golden(case, path, meta, tensors)

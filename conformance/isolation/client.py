@@ -1,162 +1,139 @@
-"""The run's side of the worker processes: one per isolated backend, started on first use, restarted after a crash.
+"""The run's side of the worker processes: one per isolated backend, forked by the fork server on first use and
+again after a crash; the backends they serve, as the run sees them (conformance.isolation.remote).
 
     pool = WorkerPool(timeout=300.0)
-    run = pool.evaluate(case, golden, "root-of-goldens", backend, repeat=True)   # IsolatedEvaluation
-    pool.close()
-
-How a worker starts: a backend on the CPU is forked from the run (it sees the backends, mutants and kinds the
-run registered, and starts in milliseconds); a backend on a device starts a fresh interpreter
-(`python -m conformance.isolation.worker`), because a CUDA context does not survive a fork. Either way the
-worker builds the backend by its name and keeps it (and its device context) for every case of the run.
+    backend = pool.backend("./k3_backend.py:make")   # loaded and described by its worker, never imported here
+    pool.case = "rmsnorm/T1-D113"                    # named in the errors of the requests that follow
+    ...
+    pool.close()                                     # every worker stopped; processes they left are named
 
 A request that does not end in an answer raises KernelFailure with the error row's message, naming the backend,
 the core it was in (the worker reports each core it enters) and the case: the worker died (a crash, a signal,
-os._exit), it went silent for longer than the time limit (it is killed), or it sent bytes that are not a
-message. The next request starts a new worker. UnsupportedShape and GoldenError come back as themselves.
+os._exit; noticed from the fork server's report while the answer is awaited, even when a process the kernel
+forked still holds the worker's socket), it went silent for longer than the time limit (it is killed), or it
+sent bytes that are not a message, or a message out of turn. The next request starts a new worker.
+UnsupportedShape comes back as itself.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
+import select
 import signal
-import subprocess
-import sys
+import socket
 import time
-from pathlib import Path
 
-import numpy as np
-
-from conformance.backends.protocol import BackendBase
-from conformance.cases.protocol import Case, Evaluation, RunInfo
-from conformance.golden.errors import GoldenError
+from conformance.backends.protocol import BackendError
 from conformance.isolation import wire
-from conformance.isolation.worker import case_doc, serve
+from conformance.isolation.errors import KernelFailure, RaisedInWorker
+from conformance.isolation.processes import sweep_orphans
+from conformance.isolation.remote import Description, RemoteBackend, read_description, remote_backend
+from conformance.isolation.zygote import Zygote, ZygoteError, shared
 from k3ref.cores import UnsupportedShape
 
 DEFAULT_TIMEOUT = 300.0   # seconds a worker may stay silent (inside one core call, or between two)
 START_LIMIT = 60.0        # at least this long to start a worker: importing a backend's libraries can be slow
+DEATH_NOTICE_S = 5.0      # how long a closed socket waits for the fork server's word on how the worker ended
+MIN_REPLY = 256 << 20     # a reply may carry this many bytes, or REPLY_FACTOR x the request's, whichever is more
+REPLY_FACTOR = 16
 
 
-class KernelFailure(RuntimeError):
-    """A request to a worker that ended without an answer, or with an error raised in the worker; the message is
-    the error row's."""
-
-
-@dataclasses.dataclass
-class IsolatedEvaluation(Evaluation):
-    """A worker's Evaluation; `again`: the outputs of the second call (candidate, reference, candidate), when asked."""
-
-    again: dict[str, np.ndarray] | None = None
-
-
-def golden_where(golden, case: Case, root: Path, entry: dict) -> dict:
-    """Where the worker finds the golden: its root folder, its path under it and its manifest entry."""
-    return {"root": str(root), "rel": Path(golden.path).relative_to(root).as_posix(), "entry": entry}
-
-
-class _Forked:
-    """A forked child, with Popen's kill / poll."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-
-def _how_it_ended(proc: _Forked | subprocess.Popen) -> str:
-    rc = proc.poll()
-    if rc is None:
-        return "its process closed the pipe and did not exit (it was killed)"
-    if rc < 0:
+def how_it_ended(status: int | None) -> str:
+    if status is None:
+        return "its process closed its socket and did not exit (it was killed)"
+    if status < 0:
         try:
-            return f"its process was killed by {signal.Signals(-rc).name}"
+            return f"its process was killed by {signal.Signals(-status).name}"
         except ValueError:
-            return f"its process was killed by signal {-rc}"
-    return f"its process exited with status {rc} (a kernel ended it: os._exit, or a crash)"
+            return f"its process was killed by signal {-status}"
+    return f"its process exited with status {status} (a kernel ended it: os._exit, or a crash)"
 
 
 class Worker:
-    """One worker process of one backend."""
+    """One worker process of one backend, forked by `zygote`."""
 
-    def __init__(self, backend: BackendBase, timeout: float, inherited: list[int]):
-        self.name, self.timeout = backend.name, timeout
-        to_worker, from_worker = os.pipe(), os.pipe()
-        child_fds = (to_worker[0], from_worker[1])
-        self.proc: _Forked | subprocess.Popen
-        if backend.device == "cpu":
-            self.proc = self._fork(backend, child_fds, inherited + [to_worker[1], from_worker[0]])
-        else:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "conformance.isolation.worker", *map(str, child_fds)],
-                pass_fds=child_fds, stdin=subprocess.DEVNULL)
-        os.close(to_worker[0])
-        os.close(from_worker[1])
-        self.write_fd, self.read_fd = to_worker[1], from_worker[0]
+    def __init__(self, zygote: Zygote, name: str, timeout: float):
+        self.zygote, self.name, self.timeout = zygote, name, timeout
+        mine, theirs = socket.socketpair()
+        self.sock = mine
+        self.pid = zygote.fork(theirs)
+        self.seq = 0
         self.core: str | None = None
+        self.left: list[dict] = []   # processes found running when it was stopped
 
-    @staticmethod
-    def _fork(backend: BackendBase, child_fds: tuple[int, int], close: list[int]) -> _Forked:
-        pid = os.fork()
-        if pid:
-            return _Forked(pid)
-        code = 0
-        try:   # the child: never returns into the run's code
-            for fd in close:   # other workers' pipes: each worker must see its own pipe close
-                os.close(fd)
-            sys.stdout = sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)   # fresh locks, stdout to stderr
-            os.dup2(2, 1)
-            serve(*child_fds, backend)
-        except BaseException:  # noqa: BLE001 - the child ends here whatever happened
-            code = 1
-        finally:
-            os._exit(code)
-
-    @property
-    def fds(self) -> list[int]:
-        return [self.write_fd, self.read_fd]
-
-    def request(self, header: dict, case: str) -> tuple[dict, dict]:
-        """Send one request; (answer, arrays), the worker's enter/left reports read on the way."""
+    def request(self, header: dict, arrays: dict, case: str, limit: float | None = None,
+                serve=None) -> tuple[dict, dict]:
+        """Send one request; (answer, arrays): the enter/left reports read on the way, and questions the worker
+        asks in the middle of a request (a whole model's) answered by `serve(header, arrays) -> (reply, arrays)`."""
+        self.seq += 1
+        sent = sum(a.nbytes for a in arrays.values())
         try:
-            wire.send(self.write_fd, header)
+            wire.send(self.sock.fileno(), {**header, "seq": self.seq}, arrays)
         except OSError as e:
-            raise self.failed(f"could not be sent a request ({e.strerror}); {_how_it_ended(self.proc)}", case) from None
-        limit = max(self.timeout, START_LIMIT) if header["op"] == "start" else self.timeout
+            raise self.failed(f"could not be sent a request ({e.strerror}); {self._ended()}", case) from None
+        limit = self.timeout if limit is None else limit
+        deadline = time.monotonic() + limit
         self.core = None
         while True:
-            try:
-                reply, arrays = wire.receive(self.read_fd, time.monotonic() + limit)
-            except wire.WireTimeout:
+            reply, got = self._receive(deadline, limit, case, max(MIN_REPLY, REPLY_FACTOR * sent))
+            op = reply.get("op")
+            if op in ("enter", "left"):
+                self.core = str(reply.get("core"))[:64] if op == "enter" else None
+                continue
+            if op == "raised":
+                raise _raised(reply, self.name, case, self.core)
+            if op in ("feed", "route"):
+                if serve is None:
+                    raise self.failed(f"asked a question ({op}) no request of this kind asks", case)
+                try:
+                    answer, out = serve(reply, got)
+                except Exception as e:  # noqa: BLE001 - a refused question ends the request in the worker
+                    answer, out = {"op": "refused", "message": str(e)[:2000]}, {}
+                wire.send(self.sock.fileno(), {**answer, "seq": self.seq}, out)
+                continue
+            return reply, got
+
+    def _receive(self, deadline: float, limit: float, case: str, max_bytes: int) -> tuple[dict, dict]:
+        while True:
+            wait = deadline - time.monotonic()
+            watched = [self.sock.fileno(), self.zygote.fileno()]
+            ready = select.select(watched, [], [], max(wait, 0.0))[0] if wait > 0 else []
+            if not ready:
                 where = "" if self.core else " (outside its cores)"
                 raise self.failed(f"no answer within {limit:g} s{where} (k3conf run --timeout); its worker was "
-                                  "stopped", case) from None
-            except wire.WireClosed:
-                raise self.failed(f"the worker died: {self.ended(limit)}", case) from None
-            except wire.WireGarbled as e:
-                raise self.failed(f"the worker sent bytes that are not a message ({e})", case) from None
-            if reply["op"] in ("enter", "left"):
-                self.core = reply.get("core") if reply["op"] == "enter" else None
-                continue
-            if reply["op"] == "raised":
-                raise _raised(reply, self.name, case)
-            return reply, arrays
+                                  "stopped", case)
+            if self.zygote.fileno() in ready:
+                try:
+                    self.zygote.pump()
+                except ZygoteError as e:   # a kernel may kill the server (same user): its workers die with it
+                    raise self.failed(f"the worker server died while the worker ran ({e})", case) from None
+                if self.pid in self.zygote.dead:
+                    raise self.failed(f"the worker died: {how_it_ended(self.zygote.dead[self.pid])}", case)
+            if self.sock.fileno() in ready:
+                break
+        try:
+            reply, got = wire.receive(self.sock.fileno(), deadline, max_bytes)
+        except wire.WireTimeout:
+            raise self.failed(f"no whole answer within {limit:g} s (k3conf run --timeout); its worker was stopped",
+                              case) from None
+        except wire.WireClosed:
+            raise self.failed(f"the worker died: {self._ended()}", case) from None
+        except wire.WireGarbled as e:
+            raise self.failed(f"the worker sent bytes that are not a message ({e})", case) from None
+        if reply.get("seq") != self.seq:
+            raise self.failed(f"the worker sent a message out of turn ({str(reply.get('op'))[:40]!r} for request "
+                              f"{str(reply.get('seq'))[:20]}, expected {self.seq}): something in its process wrote "
+                              "into its socket", case)
+        return reply, got
 
-    def ended(self, limit: float) -> str:
-        """How the process ended, once it has (it closed its pipe, so it is exiting: waited for up to `limit`)."""
-        deadline = time.monotonic() + limit
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return _how_it_ended(self.proc)
+    def _ended(self) -> str:
+        """How the worker ended, once its socket closed: the fork server's word, waited for a few seconds."""
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while self.pid not in self.zygote.dead and time.monotonic() < deadline:
+            if select.select([self.zygote.fileno()], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+                try:
+                    self.zygote.pump()
+                except ZygoteError as e:
+                    return f"the worker server died too ({e})"
+        return how_it_ended(self.zygote.dead.get(self.pid))
 
     def failed(self, what: str, case: str) -> KernelFailure:
         """The error of a request that got no answer; the worker is stopped (the next request starts another)."""
@@ -165,97 +142,119 @@ class Worker:
         return KernelFailure(f"backend {self.name}{core} on case {case}: {what}")
 
     def stop(self) -> None:
-        """Kill the process and close the pipes (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            _reap(self.proc)
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.write_fd = self.read_fd = -1
+        """Kill the process and its process group, close the socket (idempotent); `left` names what was running."""
+        if self.sock.fileno() < 0:
+            return
+        self.sock.close()
+        try:
+            _, self.left = self.zygote.stop(self.pid)
+        except (OSError, ZygoteError):
+            self.left = []
 
     @property
     def alive(self) -> bool:
-        return self.write_fd >= 0
+        return self.sock.fileno() >= 0 and self.pid not in self.zygote.dead
 
 
-def _reap(proc: _Forked | subprocess.Popen) -> None:
-    if isinstance(proc, subprocess.Popen):
-        proc.wait()
-    else:
-        pid, status = os.waitpid(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-
-
-def _raised(reply: dict, backend: str, case: str) -> Exception:
-    """The exception of a worker's `raised` answer: UnsupportedShape and GoldenError as themselves, the rest a
-    KernelFailure naming the backend, the core and the case."""
-    kind, message, core = reply.get("kind"), str(reply.get("message")), reply.get("core")
+def _raised(reply: dict, backend: str, case: str, core_now: str | None) -> Exception:
+    """The exception of a worker's `raised` answer: UnsupportedShape as itself, the rest a KernelFailure naming
+    the backend, the core and the case."""
+    kind, message = reply.get("kind"), str(reply.get("message"))[:4000]
+    core = reply.get("core") or core_now
     if kind == "unsupported":
         return UnsupportedShape(message)
-    if kind == "golden":
-        return GoldenError(message)
     if kind == "written":
         return KernelFailure(f"{message} (backend {backend}, case {case})")
-    where = f"core {core} of backend {backend}" if core else f"backend {backend}, outside its cores"
-    return KernelFailure(f"{message}; raised in {where} on case {case}")
+    where = f"core {str(core)[:64]} of backend {backend}" if core else f"backend {backend}, outside its cores"
+    return RaisedInWorker(f"{message}; raised in {where} on case {case}", str(reply.get("type"))[:100],
+                          str(reply.get("text"))[:4000])
 
 
 class WorkerPool:
-    """The run's workers, one per isolated backend name."""
+    """The run's workers, one per isolated backend (by the name it was loaded by), and the backends they serve."""
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT):
         self.timeout = timeout
+        self.case = ""                                  # the case the next requests are for (their errors name it)
         self.workers: dict[str, Worker] = {}
-        self.specs: dict[str, str] = {}   # backend name -> the name it was loaded by (file.py:ATTR), when they differ
+        self.descriptions: dict[str, Description] = {}
+        self.backends: dict[str, RemoteBackend] = {}
+        self.left: dict[str, list[dict]] = {}           # backend name -> processes its workers left running
+        self.servers: list[Zygote] = []                 # the fork servers its workers came from
+        self.stopped_pids: list[int] = []               # workers stopped before close
 
-    def worker(self, backend: BackendBase, case: str) -> Worker:
-        w = self.workers.get(backend.name)
-        if w is None or not w.alive or w.proc.poll() is not None:   # none yet, or it died after its last answer
-            if w is not None:
-                w.stop()
-            inherited = [fd for other in self.workers.values() if other.alive for fd in other.fds]
-            w = self.workers[backend.name] = Worker(backend, self.timeout, inherited)
-            try:
-                w.request({"op": "start", "backend": self.specs.get(backend.name, backend.name)}, case)
-            except BaseException:
-                w.stop()   # a worker without its backend serves nothing: the next case starts another
+    def backend(self, spec: str) -> RemoteBackend:
+        """The backend `spec` names, loaded and described by its worker; BackendError when it cannot be loaded."""
+        if spec not in self.backends:
+            self.worker(spec, "(loading the backend)")
+            self.backends[spec] = remote_backend(self, self.descriptions[spec])
+        return self.backends[spec]
+
+    def worker(self, spec: str, case: str) -> Worker:
+        w = self.workers.get(spec)
+        if w is not None and w.alive:
+            return w
+        if w is not None:
+            self._stopped(spec, w)
+        name = self.descriptions[spec].name if spec in self.descriptions else spec
+        try:
+            server = shared()
+            if server not in self.servers:
+                self.servers.append(server)
+            w = self.workers[spec] = Worker(server, name, self.timeout)
+        except ZygoteError as e:
+            raise BackendError(f"backend {spec}: no worker process could be started: {e}") from None
+        try:
+            reply, _ = w.request({"op": "start", "spec": spec}, {}, case, max(self.timeout, START_LIMIT))
+            found = read_description(reply.get("description"), spec)
+        except KernelFailure as e:
+            self._stopped(spec, w)
+            if spec in self.descriptions:
                 raise
+            raise BackendError(f"backend {spec}: its worker could not load it: {e}") from None
+        known = self.descriptions.setdefault(spec, found)
+        w.name = known.name
+        if found != known:
+            self._stopped(spec, w)
+            raise KernelFailure(f"backend {known.name} on case {case}: its worker, started again, described the "
+                                "backend otherwise than the first one did")
         return w
 
-    def call(self, backend: BackendBase, header: dict, label: str) -> tuple[dict, dict]:
-        return self.worker(backend, label).request(header, label)
+    def _stopped(self, spec: str, w: Worker) -> None:
+        self.stopped_pids.append(w.pid)
+        w.stop()
+        if w.left:
+            self.left.setdefault(w.name, []).extend(w.left)
+        self.workers.pop(spec, None)
 
-    def evaluate(self, case: Case, where: dict, backend: BackendBase, repeat: bool = False) -> IsolatedEvaluation:
-        """The backend's run of `case` in its worker; `where`: golden_where(...)."""
-        reply, arrays = self.call(backend, {"op": "evaluate", "case": case_doc(case), "golden": where,
-                                            "repeat": repeat}, case.name)
-        first = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("first.")}
-        again = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("again.")}
-        info = reply.get("info") or {}
-        return IsolatedEvaluation(first, [str(n) for n in reply.get("notes", [])],
-                                  RunInfo(**{f.name: info[f.name] for f in dataclasses.fields(RunInfo)
-                                             if f.name in info}),
-                                  again if repeat else None)
-
-    def timing(self, case: Case, where: dict, backend: BackendBase) -> tuple[float, int] | None:
-        reply, _ = self.call(backend, {"op": "time", "case": case_doc(case), "golden": where}, case.name)
-        t = reply.get("timing")
-        return None if t is None else (float(t[0]), int(t[1]))
-
-    def copy_bandwidth(self, backend: BackendBase) -> float | None:
-        reply, _ = self.call(backend, {"op": "copy_bandwidth"}, "(copy bandwidth)")
-        value = reply.get("value")
-        return None if value is None else float(value)
-
-    def check_cores(self, backend: BackendBase) -> None:
-        """conformance.backends.checks.check_cores of `backend`, run in its worker; KernelFailure with the check's
-        message (or the crash's) when it fails."""
-        self.call(backend, {"op": "check_cores"}, "(start-up check of the cores)")
+    def request(self, spec: str, header: dict, arrays: dict | None = None, serve=None,
+                limit: float | None = None) -> tuple[dict, dict]:
+        return self.worker(spec, self.case).request(header, arrays or {}, self.case, limit, serve)
 
     def close(self) -> None:
-        for w in self.workers.values():
-            w.stop()
+        """Stop every worker; the processes they (or a kernel's daemons) left running are killed and in `left`.
+        Where a fork server died during the run, the processes it orphaned that were re-parented to this process
+        (processes.guard_this_process) are killed and named too."""
+        pids = [w.pid for w in self.workers.values()] + self.stopped_pids
+        for spec, w in list(self.workers.items()):
+            self._stopped(spec, w)
         self.workers.clear()
+        if any(z.lost for z in self.servers):
+            orphans = sweep_orphans(pids)
+            if orphans:
+                self.left.setdefault("(orphaned by the worker server)", []).extend(orphans)
+
+    def left_lines(self) -> list[str]:
+        """One line per backend whose kernels left processes running after its worker was stopped, and per fork
+        server that died during the run (a process that escaped a worker's group then outlives the run unseen)."""
+        lines = [f"the worker server (pid {z.proc.pid}) died during the run ({z.lost}): a kernel can kill it, and "
+                 "a process that escaped a worker's process group is then neither found nor killed"
+                 for z in self.servers if z.lost]
+        for name, procs in self.left.items():
+            shown = "; ".join(f"pid {p.get('pid')} ({str(p.get('how'))[:40]}): {str(p.get('command'))[:120]}"
+                              for p in procs[:5])
+            more = f"; and {len(procs) - 5} more" if len(procs) > 5 else ""
+            lines.append(f"backend {name} left {len(procs)} process(es) running after its calls, killed when its "
+                         f"worker was stopped: {shown}{more}")
+        return lines
+

@@ -35,7 +35,7 @@ def digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def _param_names(core: str) -> list[str]:
+def param_names(core: str) -> list[str]:
     """The reference core's parameter names, to name a positional input in a message."""
     try:
         return list(inspect.signature(getattr(reference_cores(), core)).parameters)
@@ -43,7 +43,7 @@ def _param_names(core: str) -> list[str]:
         return []
 
 
-class _Watch:
+class Watch:
     """The copies given to one call, with their digests before it."""
 
     def __init__(self) -> None:
@@ -68,10 +68,10 @@ class _Watch:
 def guard_core(core: str, fn: Callable, on_event: Report, check_writes: bool = True) -> Callable:
     """`fn` called on copies of its arrays, reporting enter/left, raising InputWritten after a write (unless
     check_writes is False: the start-up check leaves that verdict to the run, which reports it per case)."""
-    names, allowed = _param_names(core), IN_OUT.get(core, ())
+    names, allowed = param_names(core), IN_OUT.get(core, ())
 
     def call(*args, **kwargs):
-        watch = _Watch()
+        watch = Watch()
         args = tuple(watch.own(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args))
         kwargs = {k: watch.own(k, v) for k, v in kwargs.items()}
         on_event("enter", core)

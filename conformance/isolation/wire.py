@@ -3,8 +3,13 @@
 A message is two frames: a JSON object (the header; `op` says what it is) and the safetensors bytes of its
 arrays (empty when it carries none). Each frame is an 8-byte big-endian length and that many bytes.
 
-    send(fd, {"op": "evaluate", ...}, {"y": array})
-    header, arrays = receive(fd, deadline=time.monotonic() + 300)   # WireTimeout / WireClosed
+    send(fd, {"op": "call", ...}, {"p0": array})
+    header, arrays = receive(fd, deadline=time.monotonic() + 300)   # WireTimeout / WireClosed / WireGarbled
+
+A value with arrays inside (a core's arguments, its outputs) travels as a JSON tree beside the arrays: `pack`
+puts each array in `arrays` under a new key and leaves {"$a": key} in the tree; tuples are {"$t": [...]}, dicts
+{"$d": {...}}, NumPy scalars plain numbers. `unpack` reverses it and refuses a tree that names an array the message
+does not carry, nests deeper than MAX_DEPTH, or holds anything else: what comes from a worker is data, checked.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import safetensors.numpy
 
 LENGTH = struct.Struct(">Q")
 MAX_FRAME = 1 << 36   # 64 GiB: a longer length can only be a scribbled stream
+MAX_HEADER = 64 << 20   # a JSON header this long can only be garbage (headers carry names, numbers, short notes)
+MAX_DEPTH = 32          # nesting of a packed value: a core's arguments and outputs are a level or two deep
 
 
 class WireClosed(EOFError):
@@ -82,21 +89,22 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def _frame(fd: int, deadline: float | None) -> bytes:
+def _frame(fd: int, deadline: float | None, most: int) -> bytes:
     (n,) = LENGTH.unpack(_read_exact(fd, LENGTH.size, deadline))
-    if n > MAX_FRAME:
-        raise WireGarbled(f"frame of {n} bytes announced, expected at most {MAX_FRAME}")
+    if n > most:
+        raise WireGarbled(f"frame of {n} bytes announced, expected at most {most}")
     return _read_exact(fd, n, deadline)
 
 
-def receive(fd: int, deadline: float | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-    """One message (header, arrays); deadline: time.monotonic() by which it must have come (None: no limit)."""
-    head = _frame(fd, deadline)
-    blob = _frame(fd, deadline)
+def receive(fd: int, deadline: float | None = None, max_bytes: int = MAX_FRAME) -> tuple[dict, dict[str, np.ndarray]]:
+    """One message (header, arrays); deadline: time.monotonic() by which it must have come (None: no limit);
+    max_bytes: the most its arrays may take (a reply larger than its request can explain is refused unread)."""
+    head = _frame(fd, deadline, MAX_HEADER)
+    blob = _frame(fd, deadline, max_bytes)
     try:
         header = json.loads(head)
-    except ValueError as e:
-        raise WireGarbled(f"header is not JSON ({e}): {head[:80]!r}") from None
+    except (ValueError, RecursionError) as e:
+        raise WireGarbled(f"header is not JSON ({type(e).__name__}: {str(e)[:200]}): {head[:80]!r}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise WireGarbled(f"header is {head[:80]!r}, expected a JSON object with an 'op' string")
     try:
@@ -104,3 +112,49 @@ def receive(fd: int, deadline: float | None = None) -> tuple[dict, dict[str, np.
     except Exception as e:   # noqa: BLE001 - the library's error types are not public: any failure is garbling
         raise WireGarbled(f"arrays are not safetensors bytes: {type(e).__name__}: {e}") from None
     return header, arrays
+
+
+class Unpackable(ValueError):
+    """A packed value that is not one `pack` makes (or names an array the message lacks)."""
+
+
+def pack(value, arrays: dict[str, np.ndarray]):
+    """`value` as a JSON tree, its arrays moved into `arrays` (see the module docstring); TypeError for a value of
+    another kind (an object, a torch tensor: the sender converts those first)."""
+    if isinstance(value, np.ndarray):
+        key = f"p{len(arrays)}"
+        arrays[key] = value
+        return {"$a": key}
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple):
+        return {"$t": [pack(v, arrays) for v in value]}
+    if isinstance(value, list):
+        return [pack(v, arrays) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"$d": {k: pack(v, arrays) for k, v in value.items()}}
+    raise TypeError(f"cannot send a {type(value).__module__}.{type(value).__name__} to the other process: expected "
+                    "numpy arrays, numbers, strings, None, or lists, tuples and str-keyed dicts of them")
+
+
+def unpack(tree, arrays: dict[str, np.ndarray], depth: int = 0):
+    """The value `pack` made `tree` from; Unpackable for anything else."""
+    if depth > MAX_DEPTH:
+        raise Unpackable(f"a value nested deeper than {MAX_DEPTH} levels")
+    if tree is None or isinstance(tree, bool | int | float | str):
+        return tree
+    if isinstance(tree, list):
+        return [unpack(v, arrays, depth + 1) for v in tree]
+    if isinstance(tree, dict) and len(tree) == 1:
+        (tag, body), = tree.items()
+        if tag == "$a" and isinstance(body, str):
+            if body not in arrays:
+                raise Unpackable(f"names array {body[:80]!r}, which the message does not carry")
+            return arrays[body]
+        if tag == "$t" and isinstance(body, list):
+            return tuple(unpack(v, arrays, depth + 1) for v in body)
+        if tag == "$d" and isinstance(body, dict):
+            return {str(k): unpack(v, arrays, depth + 1) for k, v in body.items()}
+    raise Unpackable(f"not a packed value: {json.dumps(tree)[:120]}")

@@ -16,6 +16,8 @@ reason names those sets.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -29,7 +31,7 @@ class ReadOnlyTable(Mapping):
     """A gate table after it is built: it reads like a dict, and any write raises TypeError naming the table."""
 
     def __init__(self, name: str, rows: Mapping):
-        self._name, self._rows = name, dict(rows)
+        self._name, self._rows = name, types.MappingProxyType(dict(rows))
 
     def __getitem__(self, key: Any) -> Any:
         return self._rows[key]
@@ -335,3 +337,25 @@ MARGIN_BUDGETS: Mapping[str, Mapping[str, tuple[float, str]]] = ReadOnlyTable(
 
 # (block, backend) -> (target bw_ratio or None, target time_ratio or None, reason). Absent = report only.
 SPEED_TARGETS: Mapping[tuple[str, str], tuple[float | None, float | None, str]] = ReadOnlyTable("SPEED_TARGETS", {})
+
+TABLES = {"GATES": GATES, "BASELINE_GATES": BASELINE_GATES, "MARGIN_BUDGETS": MARGIN_BUDGETS,
+          "SPEED_TARGETS": SPEED_TARGETS, "MEASURED": MEASURED, "ELEMENT_RULES": ELEMENT_RULES,
+          "ELEMENT_RULES_BY_SET": ELEMENT_RULES_BY_SET}
+
+
+def _plain(value: Any) -> Any:
+    """A table's value as plain data, nested tables read through (a row's repr holds every field)."""
+    if isinstance(value, Mapping):
+        return sorted((repr(k), _plain(v)) for k, v in value.items())
+    return repr(value)
+
+
+def table_digest() -> str:
+    """sha256 of every table's keys and rows (every field of every row): what the verdicts are read from."""
+    return hashlib.sha256(repr([(name, _plain(t)) for name, t in TABLES.items()]).encode()).hexdigest()
+
+
+# The digest as built. Nothing but the package's own code runs in the run's process (kernels run in workers), so
+# the tables cannot change during a run; a run compares the digest again before it reports (gates.tables_changed)
+# all the same, a second line behind the process boundary.
+DIGEST = table_digest()

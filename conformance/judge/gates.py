@@ -47,19 +47,22 @@ from conformance.judge.compare import Comparison, compare
 from conformance.judge.gate_row import BASELINE, PRECISIONS, Gate, lookup
 from conformance.judge.gate_table import (
     BASELINE_GATES,
+    DIGEST,
     ELEMENT_RULES,
     GATES,
     MARGIN_BUDGETS,
     MEASURED,
     SPEED_TARGETS,
+    TABLES,
     element_rule,
+    table_digest,
 )
 
 # the names other modules read here: the row type and the tables it is looked up in
 __all__ = ["BASELINE", "BASELINE_GATES", "FRESH", "GATES", "MARGIN_BUDGETS", "MEASURED", "PRECISIONS",
            "SPEED_TARGETS", "BaselineError", "Gate", "SpeedResult", "Verdict", "baseline_gate_for", "caps_measured",
            "errors_against", "gate_for", "judge", "judge_speed", "larger_errors", "lookup", "margin_budgets",
-           "near_tie_route", "no_cap_measured"]
+           "near_tie_route", "no_cap_measured", "judge_state", "tables_changed"]
 
 # why no cap applies on fresh inputs (judge, capped=False)
 FRESH = "fresh inputs: the caps were measured on the goldens; the baseline's larger error, here or on the golden"
@@ -301,3 +304,34 @@ def judge_speed(block: str, backend: str, seconds: float, bytes_moved: int, copy
     passed = all(checks) if checks else None
     note = reason if checks else "report only (no target for this block and backend)"
     return SpeedResult(seconds, bytes_moved, bw_ratio, time_ratio, t_bw, t_time, passed, note, baseline)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeState:
+    """What the verdicts are read from at one moment: the tables' digest, the tables and the verdict functions."""
+
+    digest: str
+    objects: tuple
+
+
+def judge_state() -> JudgeState:
+    here = globals()
+    return JudgeState(table_digest(), tuple(here.get(name) for name in (*TABLES, *_VERDICTS)))
+
+
+def tables_changed(since: JudgeState | None = None) -> str:
+    """'' when the gate tables and the verdict functions are those of `since` (a run's start; default: as this
+    module built them), else what changed: a row edited in place (the digest), a table or a function replaced."""
+    before = since or _BUILT
+    now = judge_state()
+    replaced = [name for name, a, b in zip((*TABLES, *_VERDICTS), before.objects, now.objects, strict=True)
+                if a is not b]
+    if replaced:
+        return f"replaced: {', '.join(replaced)} (conformance.judge.gates)"
+    if now.digest != before.digest:
+        return f"gate table rows edited in place (digest {now.digest[:12]}, was {before.digest[:12]})"
+    return ""
+
+
+_VERDICTS = ("judge", "judge_speed", "gate_for", "baseline_gate_for", "errors_against", "larger_errors", "lookup")
+_BUILT = JudgeState(DIGEST, tuple(globals().get(name) for name in (*TABLES, *_VERDICTS)))

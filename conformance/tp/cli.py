@@ -76,7 +76,8 @@ def run_tp_command(args) -> int:
 
     def start():
         reports = [run_tp(cases, root, config=args.config, tp=args.tp, dist=dist, timeout=args.tp_timeout,
-                          mutant=args.tp_mutant, on_start=_announce, backend=name) for name in backends]
+                          mutant=args.tp_mutant, on_start=_announce, backend=name,
+                          worker_timeout=args.timeout) for name in backends]
         return None if any(r is None for r in reports) else merge_reports(reports)
 
     report, failed = _on_ranks(command, start)

@@ -27,13 +27,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from conformance.backends.registry import get_backend
 from conformance.cases.engine_routes import through_engine
 from conformance.cases.inputs import cast_weights
 from conformance.cases.trace_run import GoldenFeed, RouterTap, Stepper, compute_dtype, forcing_budgets, guard_kernels
 from conformance.golden.store import golden_path
-from conformance.isolation.guard import guard_cores
-from conformance.runner import IN_PROCESS
+from conformance.isolation.client import DEFAULT_TIMEOUT, WorkerPool
+from conformance.session import load_backend
 from conformance.tp.comm import CollectiveError, TorchComm
 from conformance.tp.launch import error_path, init_group
 from conformance.tp.lifetime import PARENT_ENV, die_with_parent
@@ -84,22 +83,16 @@ def kda_slices(inter: dict, plan, rank: int, head_dim: int) -> dict:
     return out
 
 
-def rank_cores(backend, where: list[str]):
+def rank_cores(backend):
     """(the cores this rank runs, calls, fallbacks): the backend's, each kernel core falling back to the reference
-    on UnsupportedShape (counted, as in one process), and for any backend but the built-in NumPy references every
-    core call on its own copies of the inputs, checked for writes (conformance.isolation.guard); `where` holds
-    the core a call is in while it runs (emptied when it returns), so what a core raises can be named."""
-    def on_event(event: str, core: str) -> None:
-        where[:] = [core] if event == "enter" else []
-
-    cores = backend.cores()
-    if backend.name not in IN_PROCESS:
-        cores = guard_cores(cores, on_event)
-    cores, kernels, _ = through_engine(cores, backend.kernel_cores())   # engine-shaped cores run the host graph too
+    on UnsupportedShape (counted, as in one process). Any backend but the built-in NumPy references runs in a
+    worker process of this rank (conformance.isolation): it is sent each call's inputs, never the golden this rank
+    reads."""
+    cores, kernels, _ = through_engine(backend.cores(), backend.kernel_cores())   # engine cores run the graph too
     return guard_kernels(cores, kernels)
 
 
-def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list[dict]]:
+def trace_case(job: dict, case: str, rank: int, comm, pool: WorkerPool | None = None) -> tuple[dict | None, list[dict]]:
     """One trace case on this rank with the job's backend: (rank 0: outputs by name plus `tp.info` and
     `tp.note`, else None; every rank's byte row)."""
     cfg = K3Config.preset(job["model"][case])
@@ -115,7 +108,9 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     if not isinstance(shard, ShardWeights):
         raise TypeError(f"rank {rank}: expected the shard served by its expert store, found {type(shard).__name__}")
     row = _rank_row(rank, cost, plan, itemsize)
-    backend = get_backend(job.get("backend", "numpy64"))
+    pool = pool if pool is not None else WorkerPool()   # starts no process unless a backend needs a worker
+    backend = load_backend(job.get("backend", "numpy64"), pool)
+    pool.case = case
     p = backend.precision
     comm.record = []
     shard.dense = cast_weights(shard.dense, p)   # the experts stay U8 views of the mapping
@@ -126,16 +121,14 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
     feed = None
     if job["mode"][case] == "layerwise":
         feed = GoldenFeed(kda_slices(inter, plan, rank, cfg.kda_head_dim), p)
-    where: list[str] = []
-    cores, calls, fallbacks = rank_cores(backend, where)
+    cores, calls, fallbacks = rank_cores(backend)
     tap = RouterTap(cores.moe_route, inter, forcing_budgets(p).get("router", 0.0))
     try:
         out = Stepper(model, cores, feed, tap, prompt_len=job["prompt"][case]).run(tokens)
     except CollectiveError:
         raise
-    except Exception as e:
-        inside = f" in core {where[-1]} of backend {backend.name}" if where else ""
-        raise RuntimeError(f"rank {rank}: {case}{inside}: {type(e).__name__}: {e}") from e
+    except Exception as e:   # a KernelFailure names the backend, its core and the case
+        raise RuntimeError(f"rank {rank}: {case}: {type(e).__name__}: {e}") from e
     partials, comm.record = comm.record, None
     for name in sorted(out):
         if name.endswith("7_cache") and not cfg.is_mla(int(name.split(".layer")[1][:2])):
@@ -150,12 +143,20 @@ def trace_case(job: dict, case: str, rank: int, comm) -> tuple[dict | None, list
 
 
 def run_trace(job: dict, rank: int, comm) -> dict | None:
+    """Every trace case of the job on this rank, the backend's kernels in a worker process of this rank; a
+    RuntimeError when they left processes running (killed when the worker was stopped)."""
     outs, ranks = {}, {}
-    for case in job["cases"]:
-        out, rows = trace_case(job, case, rank, comm)
-        ranks[case] = rows
-        if out is not None:
-            outs.update({f"{case}::{k}": v for k, v in out.items()})
+    pool = WorkerPool(job.get("worker_timeout", DEFAULT_TIMEOUT))
+    try:
+        for case in job["cases"]:
+            out, rows = trace_case(job, case, rank, comm, pool)
+            ranks[case] = rows
+            if out is not None:
+                outs.update({f"{case}::{k}": v for k, v in out.items()})
+    finally:
+        pool.close()
+    if pool.left_lines():
+        raise RuntimeError(f"rank {rank}: {pool.left_lines()[0]}")
     return None if rank else {"tensors": outs, "ranks": ranks}
 
 

@@ -22,13 +22,14 @@ import numpy as np
 
 from conformance import runner as _runner
 from conformance.backends.protocol import BackendBase, WholeModelBackend
-from conformance.backends.registry import get_backend
 from conformance.cases.engine_routes import HOST_CORES
 from conformance.cases.protocol import Evaluation, RunInfo
 from conformance.cases.trace_run import check_forced, forcing_budgets
 from conformance.cases.traces import PROMPT, forced_notes, judge_tokens, model_name
 from conformance.golden.errors import GoldenError
+from conformance.isolation.client import DEFAULT_TIMEOUT, WorkerPool
 from conformance.metadata import collect as collect_metadata
+from conformance.session import SessionError, load_backend
 from conformance.tp.blame import blame_ranks
 from conformance.tp.launch import TpFailure, check_dist, spawn, under_torchrun
 from conformance.tp.lifetime import TpStopped
@@ -67,9 +68,16 @@ class TpBackend(BackendBase):
 
 
 def tp_backend(spec: str, tp: int, dist: str) -> TpBackend:
-    """The TP row of backend `spec`; ValueError when it cannot run on ranks: a whole-model backend runs the trace
-    by its own wiring (no cores for a rank to call on its shard), or one unavailable here."""
-    inner = get_backend(spec)
+    """The TP row of backend `spec`, as a worker process describes it (its module is never imported here: each
+    rank loads it in a worker of its own); ValueError when it cannot run on ranks: a whole-model backend runs the
+    trace by its own wiring (no cores for a rank to call on its shard), or one unavailable or unknown here."""
+    pool = WorkerPool()
+    try:
+        inner = load_backend(spec, pool)
+    except SessionError as e:
+        raise ValueError(str(e)) from None
+    finally:
+        pool.close()
     if isinstance(inner, WholeModelBackend):
         raise ValueError(f"backend {spec} runs whole traces by its own wiring: --tp needs a backend of cores, "
                          "which each rank calls on its shard")
@@ -139,9 +147,11 @@ def execute(job: dict, workdir: Path | None = None, on_start=None) -> dict:
 
 
 def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float, mutant: str | None = None,
-           workdir: Path | None = None, on_start=None, backend: str = DEFAULT_BACKEND):
+           workdir: Path | None = None, on_start=None, backend: str = DEFAULT_BACKEND,
+           worker_timeout: float = DEFAULT_TIMEOUT):
     """Run the trace `cases` on `tp` ranks with the cores of `backend` (a name get_backend knows); a RunReport
-    (rank 0), or None on the other torchrun ranks."""
+    (rank 0), or None on the other torchrun ranks. timeout: of a collective; worker_timeout: of a core call in a
+    rank's worker process."""
     check_dist(dist, tp)
     check_plan(config, tp, mutant)
     t0 = time.perf_counter()
@@ -150,7 +160,7 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
     runner = _TpRunner(root, config, {})   # rank 0 reads (and checks) the goldens after the run, to gate
     job = {"kind": "trace", "tp": tp, "dist": dist, "timeout": timeout, "config": config, "golden_root": str(root),
            "cases": [c.name for c in cases], "mode": {c.name: c.params["mode"] for c in cases}, "mutant": mutant,
-           "model": {c.name: model_name(c) for c in cases}, "backend": backend,
+           "model": {c.name: model_name(c) for c in cases}, "backend": backend, "worker_timeout": worker_timeout,
            "prompt": {c.name: c.params.get("prompt", len(PROMPT)) for c in cases}}
     result = execute(job, workdir, on_start) if cases else {"tensors": {}, "ranks": {}}
     if not result:
@@ -180,8 +190,9 @@ def run_tp(cases, root: Path, *, config: str, tp: int, dist: str, timeout: float
                        metadata=collect_metadata(root=root, config=config, duration=wall))
 
 
-ISOLATION_NOTE = ("in its rank processes: each core call on its own copies of the inputs, checked for writes; a "
-                  "crash or exit names the rank, a hang ends at the collective timeout")
+ISOLATION_NOTE = ("in a worker process of each rank, sent each core call's inputs (never the golden the rank reads), "
+                  "on its own copies, checked for writes; a crash or exit names the rank, a hang ends at the time "
+                  "limit")
 
 
 def rank_evaluation(golden, outs: dict, backend: TpBackend, rank_notes: list[str]) -> Evaluation:

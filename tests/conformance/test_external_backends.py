@@ -256,7 +256,9 @@ def test_a_broken_entry_point_is_unavailable_with_the_reason(tmp_path, monkeypat
     assert not ok and expect in why
 
 
-def test_run_stops_before_the_cases_when_a_core_is_wrong(tmp_path, capsys):
+def test_a_core_with_a_wrong_signature_is_refused_before_the_cases(tmp_path, capsys):
+    """A wrong kernel, however wrong: exit 1, its backend runs no case, and the report says why (exit 2 is for
+    usage)."""
     path = _write(tmp_path / "wrong.py", """
         from conformance import Backend
 
@@ -265,10 +267,12 @@ def test_run_stops_before_the_cases_when_a_core_is_wrong(tmp_path, capsys):
                                       lambda base: base.replace(rmsnorm=lambda x, w: base.rmsnorm(x, w, 1e-5)))
     """)
     code = k3conf(["run", "--backend", f"{path}:make", "--cases", "rmsnorm", "--report", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "core rmsnorm" in err and "TypeError" in err and "expected the signature rmsnorm(x, w, eps)" in err
-    assert not (tmp_path / "report.json").exists()
+    out = capsys.readouterr().out
+    first = json.loads((tmp_path / "report.json").read_text())["first_failure"]
+    assert code == 1, out
+    for said in (first, out):
+        assert "core rmsnorm" in said and "TypeError" in said and "expected the signature rmsnorm(x, w, eps)" in said
+    assert json.loads((tmp_path / "report.json").read_text())["results"] == []
 
 
 # ------------------------------------------------------------------------------------------ the example, CLI
@@ -483,7 +487,7 @@ def test_an_inaccurate_core_passes_the_start_up_check_and_fails_the_run_with_its
     assert cells and all(r["status"] == "fail" for r in cells), [(r["case"], r["status"]) for r in cells]
 
 
-def test_a_sign_flip_stops_the_run_before_the_cases(tmp_path, capsys):
+def test_a_sign_flip_is_refused_before_the_cases(tmp_path, capsys):
     path = _write(tmp_path / "flip.py", """
         from conformance import Backend
 
@@ -493,7 +497,8 @@ def test_a_sign_flip_stops_the_run_before_the_cases(tmp_path, capsys):
     """)
     code = k3conf(["run", "--backend", f"{path}:make", "--cases", "mxfp4_gemv", "--no-timing",
                    "--report", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert re.search(r"core mxfp4_gemv: output y is no answer to its inputs: .* rel RMS 2 > 0\.5", err), err
-    assert not (tmp_path / "report.json").exists()
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert code == 1 and report["results"] == [], out
+    assert re.search(r"core mxfp4_gemv: output y is no answer to its inputs: .* rel RMS 2 > 0\.5",
+                     report["first_failure"]), report["first_failure"]

@@ -78,14 +78,15 @@ def test_a_hung_core_is_stopped_at_the_time_limit(tmp_path):
     ("EXITS_AT_ONCE", "exited with status 0"),
     ("HANGS_AT_ONCE", "no answer within 2 s"),
 ])
-def test_the_start_up_check_runs_the_cores_in_a_worker_too(tmp_path, capsys, backend, says):
-    """An external backend's cores are first called by the start-up check: a core that ends its process or hangs
-    there is refused with the reason (exit 2), and the run's own process lives to say so."""
-    rc = main(["run", "--backend", "numpy32", f"{KERNELS}:{backend}", "--cases", RMS, "--no-timing",
-               "--report", str(tmp_path), "--timeout", "2"])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "the start-up check of its cores failed" in err and says in err and "core rmsnorm" in err, err
+def test_the_start_up_check_runs_the_cores_in_a_worker_too(tmp_path, backend, says):
+    """An external backend's cores are first called by the start-up check, each call in its worker: a core that
+    ends its process or hangs there refuses the backend with the reason, the run's own process lives to say so, and
+    a wrong kernel is exit 1 with its report (exit 2 is for usage)."""
+    rc, report = run_cli(tmp_path, backend, [RMS], "--timeout", "2")
+    first = report["first_failure"]
+    assert rc == 1 and report["exit_code"] == 1, first
+    assert "the start-up check of its cores failed" in first and says in first and "core rmsnorm" in first, first
+    assert [r["backend"] for r in report["results"]] == ["numpy32"]   # the refused backend runs no case
 
 
 def test_a_core_with_other_bits_on_a_second_call_fails(tmp_path):
@@ -99,7 +100,7 @@ def test_a_declared_non_deterministic_core_passes_with_its_spread_noted(tmp_path
     rc, report = run_cli(tmp_path, "NOISY_DECLARED", [RMS])
     ok = cells(report)[(RMS, "noisy-declared")]
     assert rc == 0 and ok["status"] == "pass", ok
-    assert any("spread between two calls of rmsnorm" in n for n in ok["notes"]), ok["notes"]
+    assert any("spread between the judged call and a second call of rmsnorm" in n for n in ok["notes"]), ok["notes"]
 
 
 def test_fresh_inputs_are_noted_with_a_seed_that_replays(tmp_path, monkeypatch):

@@ -17,12 +17,14 @@ from conformance.backends import protocol
 from conformance.backends import registry as backends
 from conformance.backends.external import BackendError, as_backend
 from conformance.cli import main
+from conformance.isolation.client import WorkerPool
 from conformance.judge import gate_table, gates
 from conformance.judge.gate_row import Gate
 from conformance.results import CaseResult, RunReport
 from conformance.session import SessionError, checked_backend, resolve_backends, strict
 from k3ref.cores import reference_cores
 from tests.support import strict as suite_strict
+from tests.support.backends import built_here
 
 CASES = ["rmsnorm/T1-D113", "moe_route/T1-E8-k2"]
 
@@ -51,6 +53,14 @@ BACKENDS = """
     numpy32 = Backend.from_cores("numpy32", "fp32", lambda base: base)
     model_bf16 = Backend.from_cores("torch-model-bf16", "bf16", lambda base: base)
 """
+
+
+@pytest.fixture
+def pool():
+    """Worker processes for one test, stopped after it."""
+    workers = WorkerPool(60)
+    yield workers
+    workers.close()
 
 
 @pytest.fixture
@@ -117,11 +127,11 @@ def test_only_backends_the_run_must_judge_can_be_judged_on_nothing():
     assert RunReport("tiny", rows, results, 0.0, {}).exit_code == 0
 
 
-def test_a_run_of_every_registered_backend_must_judge_only_the_external_ones():
-    _, rows = resolve_backends(None)
+def test_a_run_of_every_registered_backend_must_judge_only_the_external_ones(pool):
+    _, rows = resolve_backends(None, pool)
     assert {r["name"] for r in rows if r["must_judge"]} <= {n for n in backends.backend_names()
                                                           if backends.is_external(n)}
-    _, asked = resolve_backends(["numpy64"])
+    _, asked = resolve_backends(["numpy64"], pool)
     assert asked[0]["must_judge"] and asked[0]["kernel_cores"] == sorted(backends.ALL_CORES)
 
 
@@ -160,22 +170,41 @@ class Foreign:
     pytest.param(7, "kernel_cores() returned int 7; expected a set of core names", id="not-iterable"),
     pytest.param(RuntimeError("no table"), "kernel_cores() raised RuntimeError: no table", id="raises"),
 ])
-def test_kernel_cores_are_checked_when_the_backend_is_loaded(monkeypatch, kernels, expect):
+def test_kernel_cores_are_checked_when_the_backend_is_loaded(monkeypatch, pool, kernels, expect):
     monkeypatch.setitem(backends.BACKENDS, "foreign", lambda: Foreign(kernels=kernels))
     monkeypatch.setitem(backends._CACHE, "foreign", backends.adapt(Foreign(kernels=kernels)))
+    built_here(monkeypatch, "foreign")
     with pytest.raises(SessionError, match=re.escape(f"backend foreign: {expect}")):
-        checked_backend("foreign")
+        checked_backend("foreign", pool)
 
 
-def test_kernel_cores_of_a_base_class_backend_are_checked_too(monkeypatch):
+def test_kernel_cores_are_checked_in_the_worker_that_loads_a_backend(tmp_path, pool):
+    """The same check where a backend is loaded by its worker: the run refuses it with the worker's words."""
+    path = tmp_path / "letters.py"
+    path.write_text(textwrap.dedent("""
+        from conformance.backends.builtin import NumpyBackend
+
+        class Letters(NumpyBackend):
+            def kernel_cores(self):
+                return "rmsnorm"   # a str, not a set of names
+
+        letters = Letters("letters", "fp32")
+    """))
+    with pytest.raises(SessionError, match="backend letters: kernel_cores\\(\\) returned str 'rmsnorm'"):
+        checked_backend(f"{path}:letters", pool)
+
+
+def test_kernel_cores_of_a_base_class_backend_are_checked_too(monkeypatch, pool):
     @dataclasses.dataclass
     class Letters(backends.NumpyBackend):
         def kernel_cores(self):
             return "rmsnorm"   # the mistake under test: a str, not a set of names
 
     monkeypatch.setitem(backends._CACHE, "letters", Letters("letters", "fp32"))
+    monkeypatch.setitem(backends.BACKENDS, "letters", lambda: Letters("letters", "fp32"))
+    built_here(monkeypatch, "letters")
     with pytest.raises(SessionError, match="backend letters: kernel_cores\\(\\) returned str 'rmsnorm'"):
-        checked_backend("letters")
+        checked_backend("letters", pool)
 
 
 @pytest.mark.parametrize("probe, reason", [
@@ -266,12 +295,17 @@ def test_the_margin_budgets_of_a_precision_are_read_only():
         gates.MARGIN_BUDGETS["bf16"]["router"] = (1.0, "force every route")
 
 
-@pytest.mark.parametrize("edit", [
-    pytest.param("gates.GATES[('rmsnorm', '*', 'fp32')] = Gate(1.0, None, 0.0, 1.0, 1.0, 'mine')", id="edit-row"),
+@pytest.mark.parametrize("edit, code, says", [
+    pytest.param("gates.GATES[('rmsnorm', '*', 'fp32')] = Gate(1.0, None, 0.0, 1.0, 1.0, 'mine')", 2,
+                 "read-only once built", id="edit-row"),
     pytest.param("gates.GATES = {**gates.GATES, ('rmsnorm', '*', 'fp32'): Gate(1.0, None, 0.0, 1.0, 1.0, 'mine')}",
-                 id="replace-table"),
+                 1, "no answer to its inputs", id="replace-table"),
 ])
-def test_a_backend_that_edits_the_gate_table_on_import_is_refused(tmp_path, capsys, monkeypatch, edit):
+def test_a_backend_that_edits_the_gate_table_on_import_never_reaches_the_runs_judge(tmp_path, capsys, monkeypatch,
+                                                                                     edit, code, says):
+    """Its module is imported in its worker only: an edit that raises there makes the backend unloadable (exit 2,
+    naming the file); one that succeeds changes the worker's copy of the judge, and the kernel is judged by the
+    run's own (here: refused at start-up, it returns its input)."""
     monkeypatch.setattr(gates, "GATES", gates.GATES)   # undone after the test, whatever the backend did
     path = tmp_path / "lenient.py"
     path.write_text(textwrap.dedent(f"""
@@ -287,9 +321,9 @@ def test_a_backend_that_edits_the_gate_table_on_import_is_refused(tmp_path, caps
         lenient = Backend.from_cores("lenient", "fp32", lambda base: base.replace(rmsnorm=_loose))
     """))
     rc = main(["run", "--backend", f"{path}:lenient", "--cases", CASES[0], "--no-timing", "--report", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert str(path) in err and ("read-only once built" in err or "replaced the gate table" in err)
+    said = capsys.readouterr()
+    assert rc == code and says in said.out + said.err, said
+    assert gates.tables_changed() == ""
 
 
 # ------------------------------------------------------------------------------------------ K3_STRICT
@@ -320,6 +354,7 @@ def test_strict_refuses_any_other_value(monkeypatch, capsys, value):
 def test_strict_true_fails_on_an_unavailable_backend(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(backends._CACHE, "offline", backends.adapt(Foreign(name="offline", probe=(False, "no dev"))))
     monkeypatch.setitem(backends.BACKENDS, "offline", lambda: Foreign(name="offline", probe=(False, "no dev")))
+    built_here(monkeypatch, "offline")
     monkeypatch.setenv("K3_STRICT", "true")
     argv = ["run", "--backend", "numpy64", "offline", "--cases", CASES[0], "--report", str(tmp_path), "--no-timing"]
     assert main(argv) == 1

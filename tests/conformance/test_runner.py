@@ -29,6 +29,7 @@ from conformance.runner import run
 from conformance.session import strict_missing
 from k3ref.cores import UnsupportedShape, reference_cores
 from k3ref.ops import rmsnorm
+from tests.support.backends import built_here
 
 SUBSET = ["rmsnorm/T1-D113", "moe_route/T1-E8-k2"]
 
@@ -204,6 +205,7 @@ def test_report_json_is_strict_json_when_outputs_are_nan(monkeypatch, tmp_path, 
 
     monkeypatch.setitem(backends.MUTANTS, "test-nan", backends.Mutant("rmsnorm", "NaN everywhere", nan_rmsnorm))
     monkeypatch.setattr(backends, "_CACHE", {})
+    built_here(monkeypatch, "mutant:test-nan")
     rc = main(["run", "--backend", "mutant:test-nan", "--cases", SUBSET[0], "--report", str(tmp_path), "--no-timing"])
     out = capsys.readouterr().out
     assert rc == 1 and "non-finite mismatch" in out and "FAIL NaN/Inf" in out
@@ -286,6 +288,7 @@ def test_a_registered_kind_runs_with_per_layer_plot(monkeypatch, tmp_path):
         return base.replace(rmsnorm=lambda x, w, eps: np.asarray(x) * 2.0)
 
     monkeypatch.setitem(backends.MUTANTS, "test-rmsnorm", backends.Mutant("rmsnorm", "x * 2", break_rmsnorm))
+    built_here(monkeypatch, "mutant:test-rmsnorm")
     report = run(picked, ["mutant:test-rmsnorm"], tmp_path / "g", timing=False)
     backends._CACHE.pop("mutant:test-rmsnorm", None)
     assert report.first_failure_line().startswith(
@@ -353,6 +356,7 @@ def _picky(monkeypatch, name: str, precision: str, core: str, why: str) -> None:
     monkeypatch.setitem(backends.BACKENDS, name, lambda: NumpyBackend(
         name, precision, lambda: reference_cores().replace(**{core: refuse})))
     monkeypatch.setattr(backends, "_CACHE", {})
+    built_here(monkeypatch, name)
 
 
 def test_unsupported_shape_is_a_skip_with_its_reason_not_a_failure(monkeypatch):
@@ -468,10 +472,15 @@ HIDE_TORCH = "import sys; sys.modules['torch'] = None; "   # `import torch` rais
 
 
 def test_strict_run_without_torch_fails_with_the_reason(tmp_path):
+    """torch hidden from the run and from its worker processes (a package that refuses to import, first on the
+    path every process of the run reads)."""
     root = Path(__file__).resolve().parents[2]
-    code = HIDE_TORCH + ("from conformance.cli import main; sys.exit(main(['run', '--cases', 'rmsnorm/T1-D113', "
-                         f"'--no-timing', '--report', {str(tmp_path)!r}]))")
-    env = {**__import__("os").environ, "K3_STRICT": "1"}
+    hidden = tmp_path / "hide" / "torch"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'torch' (hidden by the test)\")\n")
+    code = ("import sys; from conformance.cli import main; sys.exit(main(['run', '--cases', 'rmsnorm/T1-D113', "
+            f"'--no-timing', '--report', {str(tmp_path)!r}]))")
+    env = {**__import__("os").environ, "K3_STRICT": "1", "PYTHONPATH": f"{hidden.parent}:{root}"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "K3_STRICT=1 and backend torch cannot run here: ImportError: PyTorch is not installed" in p.stdout

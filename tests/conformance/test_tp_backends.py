@@ -232,4 +232,4 @@ def test_a_core_writing_into_its_input_on_a_rank_fails_naming_the_rank_and_core(
     err = capsys.readouterr().err
     assert rc == 1
     assert "k3conf run --tp 2: rank 1 (pid " in err
-    assert "trace/layerwise-P7-D5: InputWritten: core rmsnorm wrote into its input x" in err
+    assert "trace/layerwise-P7-D5: KernelFailure: core rmsnorm wrote into its input x" in err

@@ -374,7 +374,11 @@ def test_torch_model_backend_passes_the_committed_traces_and_skips_block_cases()
     assert all(status[c.name] == "pass" for c in cases if c.kind == "trace"), report.first_failure_line()
     assert all(status[c.name] == "skip" for c in cases if c.kind != "trace")
     assert report.exit_code == 0
-    assert all(r.speed is not None and r.speed.seconds > 0 for r in report.results if r.status == "pass")
+    # a whole model is timed on its free-running traces: a layer-by-layer one asks for each layer's golden input,
+    # which a timed run could not be given without handing it every layer's state at once
+    timed = {r.case: r.speed for r in report.results if r.status == "pass"}
+    assert all(s is not None and s.seconds > 0 for c, s in timed.items() if "/free-" in c or c.startswith("trace/free"))
+    assert all(s is None for c, s in timed.items() if "layerwise" in c)
 
 
 # the traces torch-model-bf16 passes with its near-tie router choices teacher-forced; tiny's free trace is the
