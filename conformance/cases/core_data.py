@@ -53,22 +53,24 @@ def _kda_arrays(rng, lead: tuple, H: int, K: int, V: int):
     return q, k, v, g_raw, beta_raw
 
 
-def _kda_common(rng, B, H, K, V, lower_bound):
+def _kda_common(rng, B, H, K, V, lower_bound, scale=None):
+    """A_log, dt_bias, the state; kwargs with `scale` (None: the core's default 1/sqrt(K); a number: the
+    explicit scale a caller passes, which a kernel must not ignore)."""
     A_log = np.log(rng.uniform(1.0, 16.0, H))
     dt_bias = 0.5 * rng.standard_normal(H * K)
     state = 0.5 * rng.standard_normal((B, H, K, V))
-    return {"A_log": A_log, "dt_bias": dt_bias, "state": state}, {"lower_bound": lower_bound, "scale": None}
+    return {"A_log": A_log, "dt_bias": dt_bias, "state": state}, {"lower_bound": lower_bound, "scale": scale}
 
 
-def _kda_decode(rng, B, H, K, V, lower_bound=-5.0):
+def _kda_decode(rng, B, H, K, V, lower_bound=-5.0, scale=None):
     q, k, v, g_raw, beta_raw = _kda_arrays(rng, (B,), H, K, V)
-    common, kwargs = _kda_common(rng, B, H, K, V, lower_bound)
+    common, kwargs = _kda_common(rng, B, H, K, V, lower_bound, scale)
     return {"q": q, "k": k, "v": v, "g_raw": g_raw, "beta_raw": beta_raw, **common}, kwargs
 
 
-def _kda_prefill(rng, B, T, H, K, V, lower_bound=-5.0):
+def _kda_prefill(rng, B, T, H, K, V, lower_bound=-5.0, scale=None):
     q, k, v, g_raw, beta_raw = _kda_arrays(rng, (B, T), H, K, V)
-    common, kwargs = _kda_common(rng, B, H, K, V, lower_bound)
+    common, kwargs = _kda_common(rng, B, H, K, V, lower_bound, scale)
     return {"q": q, "k": k, "v": v, "g_raw": g_raw, "beta_raw": beta_raw, **common}, kwargs
 
 
@@ -91,8 +93,10 @@ def _mxfp4_gemv(rng, N, K, lead=()):
     return {"packed": packed, "scale": scale, "x": rng.standard_normal(tuple(lead) + (K,))}, {}
 
 
-def _moe_route(rng, T, E, top_k, n_group=1, topk_group=1, renormalize=True, scaling=1.0):
+def _moe_route(rng, T, E, top_k, n_group=1, topk_group=1, renormalize=True, scaling=1.0, ties=False):
     kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, renormalize=renormalize, scaling=scaling)
+    if ties:
+        return _tied_route(rng, T, E, top_k, kw)
     for _ in range(1000):
         logits = 1.5 * rng.standard_normal((T, E))
         bias = 0.2 * rng.standard_normal(E)
@@ -101,6 +105,40 @@ def _moe_route(rng, T, E, top_k, n_group=1, topk_group=1, renormalize=True, scal
         if changed and route_stable(logits, bias, kw):
             return {"logits": logits, "bias": bias}, kw
     raise RuntimeError(f"no stable routing found for T={T} E={E} k={top_k}")
+
+
+# how far the tied pair's choice stays from the other experts' (selection-score units): far past bf16's rounding of
+# a score near 1 (2^-8) and of the bias, so that only the tie decides which of the two is chosen
+TIE_GAP = 0.02
+
+
+def _tied_route(rng, T: int, E: int, top_k: int, kw: dict) -> tuple[dict, dict]:
+    """Every token's k-th choice a tie (spec 3.4: ties to the lower expert id): experts 2i and 2i+1 share a bias
+    value, and each token gives one such pair the same logit, placed so that top_k - 1 other experts score above it
+    and the rest below (TIE_GAP apart). The pair's lower id is chosen; a kernel that breaks the tie the other way
+    picks the higher id, with the same weight. Plain top-k (n_group 1)."""
+    if kw["n_group"] != 1 or E < 3 or not 1 <= top_k < E - 1:
+        raise ValueError(f"a tied route needs n_group 1 and 1 <= top_k < E - 1, found E={E} top_k={top_k} {kw}")
+    pairs = E // 2
+    bias = np.repeat(0.05 * rng.standard_normal(pairs), 2)
+    if E % 2:
+        bias = np.append(bias, 0.05 * rng.standard_normal())
+    logits = np.empty((T, E))
+    for t in range(T):
+        for _ in range(1000):
+            row = 1.5 * rng.standard_normal(E)
+            pair = 2 * int(rng.integers(pairs))
+            others = np.sort(ops.sigmoid(np.delete(row, [pair, pair + 1])) + np.delete(bias, [pair, pair + 1]))[::-1]
+            below = others[top_k - 1]
+            above = others[top_k - 2] if top_k > 1 else below + 4 * TIE_GAP   # top-1: just above the best other
+            target = (above + below) / 2 - bias[pair]
+            if above - below > 2 * TIE_GAP and 0.02 < target < 0.98:
+                row[pair] = row[pair + 1] = np.log(target / (1 - target))
+                break
+        else:
+            raise RuntimeError(f"no tied route found for T={T} E={E} k={top_k}")
+        logits[t] = row
+    return {"logits": logits, "bias": bias}, kw
 
 
 def _attnres_mix(rng, S, lead, D, mix=1.0, eps=1e-5):

@@ -61,6 +61,12 @@ TOY_TABLE: dict[str, list[tuple[str, dict]]] = {
         ("kda_decode/B2-H1-K128-split", dict(B=2, H=1, K=128, V=128, entry="kda_decode_f32_split4")),
         ("mla_decode/B2-H17-R64-P16-L33-20-bf16", dict(H=17, R=64, P=16, seq_lens=(33, 20), bf16_cache=True,
                                                        entry="mla_decode_split_bf16")),
+        # stated contracts (docs/spec.md): an explicit KDA scale (a kernel that ignores it uses 1/sqrt(K)), and
+        # router ties at the k-th choice, broken to the lower expert id (top-3 and top-1)
+        ("kda_decode/B2-H3-K16-scale0.3", dict(B=2, H=3, K=16, V=16, scale=0.3)),
+        ("kda_prefill/B1-T5-H2-K16-scale0.3", dict(B=1, T=5, H=2, K=16, V=16, scale=0.3)),
+        ("moe_route/T4-E9-k3-ties", dict(T=4, E=9, top_k=3, ties=True)),
+        ("moe_route/T2-E6-k1-ties", dict(T=2, E=6, top_k=1, ties=True)),
     ],
     "small": [
         ("rmsnorm/T16-D1024", dict(T=16, D=1024, eps=1e-5)),

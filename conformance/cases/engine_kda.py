@@ -196,6 +196,9 @@ TINY = [
     _varlen_case((3, 1, 2), 4, 2, 16, 8, state_layout="vk"),
     _varlen_case((17,), 2, 2, 16, state_layout="vk", lower_bound=None),
     _varlen_case((3,), 1, 1, 128, state_layout="vk"),         # K3's per-head geometry
+    # empty sequences (repeated offsets in cu_seqlens) between, before and after others: each slot's state comes
+    # back as it went in
+    _varlen_case((0, 5, 0, 1, 3, 0), 7, 2, 16),
 ]
 
 

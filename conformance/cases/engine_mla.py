@@ -135,6 +135,7 @@ _TINY_PREFILL: list[dict] = [
     dict(seqs=((5, 5), (3, 11), (1, 1)), H=2, Dqk=32, Dv=16),
     dict(seqs=((1, 7), (4, 4)), H=1, Dqk=24, Dv=40),
     dict(seqs=((5, 13), (3, 3)), H=2, Dqk=K3_QK_HEAD, Dv=128, shared_rope=64),    # K3's head geometry
+    dict(seqs=((3, 5), (0, 4), (2, 2), (0, 0)), H=2, Dqk=16, Dv=8),   # sequences with no new token (cached or empty)
 ]
 # the host graph's mla_decode core at page size 1 (every token its own page, the block table one column a token)
 _TINY_DECODE_P1 = [

@@ -65,18 +65,30 @@ def _stack(rng, E: int, Dl: int, Di: int, gains: tuple[float, float, float], unu
     return {"w13_packed": w13_packed, "w13_scale": w13_scale, "w2_packed": w2_packed, "w2_scale": w2_scale}
 
 
-def _moe_experts(rng, T, E, k, Dl, Di, scaling=1.0):
+def _repeat_one(idx: np.ndarray, repeated: bool) -> np.ndarray:
+    """With `repeated`, the last token's last slot chooses its first slot's expert again: an expert chosen twice by
+    one token counts twice (spec 3.4), and a kernel that merges the two slots shows."""
+    if repeated:
+        if idx.shape[1] < 2:
+            raise ValueError(f"a repeated id needs k >= 2, found k={idx.shape[1]}")
+        idx[-1, -1] = idx[-1, 0]
+    return idx
+
+
+def _moe_experts(rng, T, E, k, Dl, Di, scaling=1.0, repeated=False):
     idx, unused = _indices(rng, T, E, k)
+    idx = _repeat_one(idx, repeated)
     s = rng.uniform(0.1, 1.0, (T, k))
     x = rng.standard_normal((T, Dl)) * mag.ten_to(rng.uniform(-0.5, 0.5, (T, 1)))
     return ({"x": x, "weights": s / s.sum(-1, keepdims=True) * scaling, "indices": idx,
              **_stack(rng, E, Dl, Di, TOY_GAINS, unused)}, {})
 
 
-def _moe_experts_k3(rng, T, E, k, Dl, Di, scaling=1.0):
+def _moe_experts_k3(rng, T, E, k, Dl, Di, scaling=1.0, repeated=False):
     """z at the measured scale of the experts' input, routing weights the renormalised sigmoid of router logits
     at the measured scale, N(0, 1/in) experts."""
     idx, unused = _indices(rng, T, E, k)
+    idx = _repeat_one(idx, repeated)
     s = ops.sigmoid(mag.activations(rng, (T, k), "router.logits"))
     x = mag.activations(rng, (T, Dl), "mxfp4_gemv.x")
     return ({"x": x, "weights": s / s.sum(-1, keepdims=True) * scaling, "indices": idx,
@@ -110,7 +122,8 @@ SPECS: dict[str, CoreSpec] = {
 
 
 def _moe(T: int, E: int, k: int, Dl: int, Di: int, **extra) -> tuple[str, dict]:
-    return f"moe_experts/T{T}-E{E}-k{k}-Dl{Dl}-I{Di}", dict(T=T, E=E, k=k, Dl=Dl, Di=Di, **extra)
+    name = f"moe_experts/T{T}-E{E}-k{k}-Dl{Dl}-I{Di}" + ("-repeated" if extra.get("repeated") else "")
+    return name, dict(T=T, E=E, k=k, Dl=Dl, Di=Di, **extra)
 
 
 def _norm(T: int, D: int, eps: float, suffix: str = "", **extra) -> tuple[str, dict]:
@@ -136,6 +149,7 @@ TABLE: dict[str, list[tuple[str, dict]]] = {
         _moe(5, 8, 4, 64, 96, scaling=2.5),     # I / 32 odd
         _moe(2, 4, 4, 64, 32),            # every expert chosen by every token (k = E: no unused expert)
         _moe(2, 2, 2, 224, 192),          # K3's Dl : I = 7 : 6 (Dl not a multiple of 64); 68 KB per expert
+        _moe(3, 6, 3, 64, 32, repeated=True),   # the last token chooses one expert twice: it counts twice
         _norm(1, 113, 1e-5),
         _norm(5, 203, 1e-5),
         _norm(3, 256, 1e-6, "-eps1e-6"),

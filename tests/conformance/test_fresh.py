@@ -19,6 +19,7 @@ from conformance.golden.errors import GoldenError
 from conformance.golden.store import COMMITTED_ROOT, MANIFEST, golden_path, read_golden
 from conformance.runner import FreshRunner, Runner
 from k3ref.latent_moe import sigmoid_topk
+from k3ref.ops import sigmoid
 
 PER_BLOCK = [c for c in all_cases("tiny") if c.kind in PER_BLOCK_KINDS]
 TRACES = [c for c in all_cases("tiny") if c.kind not in PER_BLOCK_KINDS]
@@ -35,6 +36,7 @@ NOT_DRAWN_IN = {
     "kda_prefill_varlen/N1-T3-S1-H1-K128-vk": {"inputs.slots": "one sequence in a one-slot pool"},
     "moe_experts/T1-E8-k1-Dl64-I32": {"inputs.indices": "the one token's one expert is the stack's last (a trap)",
                                       "inputs.weights": "one expert per token: its weight is 1"},
+    "moe_route/T2-E6-k1-ties": {"outputs.weights": "one expert per token, renormalised: its weight is 1"},
 }
 
 
@@ -193,7 +195,17 @@ def _promises(case: Case, t: dict[str, np.ndarray], kwargs: dict) -> list[str]:
     the list of broken promises."""
     broken = []
     block = case.block
-    if block == "moe_route":
+    if block == "moe_route" and case.params.get("ties"):
+        # the contract case: every token's k-th and (k+1)-th selection scores are exactly equal (ties to the lower
+        # id), and apart from the rest by far more than bf16's rounding
+        kw = _route_kwargs(case, kwargs)
+        score = np.sort(sigmoid(t["inputs.logits"]) + t["inputs.bias"], -1)[:, ::-1]
+        k = kw["top_k"]
+        if not np.array_equal(score[:, k - 1], score[:, k]):
+            broken.append("a token's k-th choice is no exact tie")
+        if k > 1 and not np.all(score[:, k - 2] - score[:, k - 1] > 0.01):
+            broken.append("the tied pair sits near another choice")
+    elif block == "moe_route":
         logits, bias, kw = t["inputs.logits"], t["inputs.bias"], _route_kwargs(case, kwargs)
         if not route_stable(logits, bias, kw):
             broken.append("the router choice moves under bf16 rounding or noise")
