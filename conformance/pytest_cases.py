@@ -18,6 +18,7 @@ the model traces that run kda_decode too; every core name is registered as a mar
 from __future__ import annotations
 
 import io
+import math
 import time
 from pathlib import Path
 
@@ -26,11 +27,14 @@ from rich.console import Console
 
 from conformance.cases.catalog import all_cases, kind_of
 from conformance.cases.protocol import Case
+from conformance.fuzz import replay
+from conformance.fuzz.draws import fuzzable
+from conformance.fuzz.inrun import cores_run_by, fuzz_backends, judged_backends, spec_of
 from conformance.isolation.client import WorkerPool
 from conformance.judge.gates import judge_state, tables_changed
 from conformance.metadata import collect as collect_metadata
 from conformance.report import print_terminal, write_reports
-from conformance.results import CaseResult, RunReport
+from conformance.results import CaseResult, FuzzSummary, RunReport
 from conformance.runner import case_runner
 from conformance.session import (
     SessionError,
@@ -50,6 +54,7 @@ except ImportError:   # a pytest that moved it: the JUnit rows keep pytest's own
     JUNIT_KEY = None  # type: ignore[assignment]  # the key's type is pytest's; None marks it missing
 
 COLLECTOR = "k3conf"   # the collector's name and nodeid, the marker every case carries, the JUnit classname's head
+FUZZ = "fuzz"          # the fuzz items' id prefix (fuzz/<core>) and marker
 SUMMARY_WIDTH = 160    # the table's width in the summary section, as `k3conf run` prints it off a terminal
 
 
@@ -97,6 +102,8 @@ class ConformanceSession:
             raise pytest.UsageError(str(e)) from None
         self.report_dir = self._report_dir(config)
         self.runner = case_runner(root, cfg, config.getoption("k3conf_timing"), self.pool, {spec: check.backend})
+        self.fuzz_cores, self.fuzz_seconds = self._fuzz_plan(config, cores_run_by(self.cases))
+        self.fuzzed: list[FuzzSummary] = []   # each fuzz item's draws, merged into the report
         self.results: list[CaseResult] = []   # every item run, for the summary table and the report files
         self.seconds = 0.0                    # the cases' own time (the session's other tests not counted)
         self.written: list[Path] = []         # the report files written at the session's end
@@ -116,11 +123,36 @@ class ConformanceSession:
             raise pytest.UsageError(_as_plugin_option(str(e), "--report")) from None
         return out
 
+    def _fuzz_plan(self, config, run: frozenset[str]) -> tuple[list[str], float]:
+        """The cores the fuzz items draw for, those of the backend's the selected cases run (none: --k3conf-no-fuzz,
+        or a backend that is not fuzzed: the float64 reference, a precision baseline, a whole model, one that cannot
+        run), and each item's seconds."""
+        seconds = config.getoption("k3conf_fuzz")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise pytest.UsageError(f"--k3conf-fuzz: expected a finite number of seconds >= 0, found {seconds}")
+        if config.getoption("k3conf_no_fuzz") or not self.ok or self.refused or not judged_backends([self.backend]):
+            return [], 0.0
+        cores = fuzzable(self.backend.kernel_cores() & run)
+        return cores, seconds / max(len(cores), 1)
+
+    def fuzz(self, core: str) -> FuzzSummary:
+        """One fuzz item: every region of `core` drawn with the session's seed (more while its seconds last),
+        a failing draw shrunk and written as a replay file (under --k3conf-report DIR/fuzz, else the cache)."""
+        t0 = time.perf_counter()
+        out = self.report_dir / "fuzz" if self.report_dir is not None else replay.cache_root() / "replays"
+        seed = self.runner.seed
+        assert seed is not None   # case_runner always draws one (fresh_seed)
+        summary = fuzz_backends(self.runner, [self.backend], self.fuzz_seconds, out, seed, frozenset({core}))
+        self.seconds += time.perf_counter() - t0
+        self.fuzzed.append(summary)
+        return summary
+
     @staticmethod
     def _register_markers(config, cfg: str) -> None:
         """`k3conf`, every core and every block of the case set: the names a marker expression may use, whichever
         cases this run selected."""
         config.addinivalue_line("markers", f"{COLLECTOR}: a K3 conformance case (k3-conformance)")
+        config.addinivalue_line("markers", f"{FUZZ}: the fuzz draws of one core (k3-conformance)")
         blocks = [c.block for c in all_cases(cfg)]
         for name in dict.fromkeys([*CORE_NAMES, *blocks]):
             config.addinivalue_line("markers", f"{name}: K3 conformance cases of {name} and the cases that run it "
@@ -129,7 +161,8 @@ class ConformanceSession:
     def report(self) -> RunReport:
         return RunReport(config=self.runner.config, backends=[self.row], results=list(self.results),
                          wall_seconds=self.seconds, copy_bandwidth={}, strict_missing=self.strict_missing,
-                         left_running=self.pool.left_lines(), judge_problem=tables_changed(self.judge_at_start))
+                         left_running=self.pool.left_lines(), judge_problem=tables_changed(self.judge_at_start),
+                         fuzz=FuzzSummary.merged(self.fuzzed))
 
     def run(self, case: Case) -> CaseResult:
         t0 = time.perf_counter()
@@ -153,7 +186,7 @@ class ConformanceSession:
         exits 1: the backend was judged on nothing (every item skip or n/a). The reason is the first line of
         the k3conf summary section."""
         self.close()   # the workers stopped now: what they left running fails the session
-        if not self.results:
+        if not self.results and not self.fuzzed:
             return
         report = self.report()
         if self.report_dir is not None:
@@ -184,7 +217,7 @@ class ConformanceSession:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         """The run's table (case x backend, worst error per cell) and its first failure, as `k3conf run` prints,
         and where the report files went."""
-        if not self.results:
+        if not self.results and not self.fuzzed:
             if self.report_dir is not None:
                 terminalreporter.write_line(f"k3conf: no case ran here, so no report was written to {self.report_dir}")
             return
@@ -230,6 +263,26 @@ class CaseCollection(pytest.Collector):
             for marker in markers_of(case):
                 item.add_marker(marker)
             yield item
+        for core in self.conformance.fuzz_cores:
+            item = FuzzItem.from_parent(self, name=f"{FUZZ}/{core}", nodeid=f"{FUZZ}/{core}", core=core,
+                                        conformance=self.conformance)
+            for marker in (COLLECTOR, FUZZ, core):
+                item.add_marker(marker)
+            yield item
+
+
+def junit_names(item: pytest.Item, classname: str, name: str) -> None:
+    """An item's JUnit row classed and named as given (a case: `k3conf.kda_decode`, `B2-H3-K16`): pytest would
+    derive the class from a file path in the id, and a case id has none (its rows came out with an empty
+    classname)."""
+    xml = item.config.stash.get(JUNIT_KEY, None) if JUNIT_KEY is not None else None
+    if xml is None:   # no --junitxml
+        return
+    if xml.prefix:    # --junitprefix, as pytest applies it to its own rows
+        classname = f"{xml.prefix}.{classname}"
+    reporter = xml.node_reporter(item.nodeid)
+    reporter.add_attribute("classname", classname)
+    reporter.add_attribute("name", name)
 
 
 class CaseItem(pytest.Item):
@@ -240,20 +293,7 @@ class CaseItem(pytest.Item):
         self.case, self.conformance = case, conformance
 
     def setup(self) -> None:
-        self._junit_names()
-
-    def _junit_names(self) -> None:
-        """A JUnit row classed by block (`k3conf.kda_decode`, named `B2-H3-K16`): pytest would derive the class
-        from a file path in the id, and a case id has none (its rows came out with an empty classname)."""
-        xml = self.config.stash.get(JUNIT_KEY, None) if JUNIT_KEY is not None else None
-        if xml is None:   # no --junitxml
-            return
-        classname = f"{COLLECTOR}.{self.case.block}"
-        if xml.prefix:    # --junitprefix, as pytest applies it to its own rows
-            classname = f"{xml.prefix}.{classname}"
-        reporter = xml.node_reporter(self.nodeid)
-        reporter.add_attribute("classname", classname)
-        reporter.add_attribute("name", self.case.name.removeprefix(f"{self.case.block}/"))
+        junit_names(self, f"{COLLECTOR}.{self.case.block}", self.case.name.removeprefix(f"{self.case.block}/"))
 
     def runtest(self) -> None:
         if self.conformance.strict_missing:     # K3_STRICT: a backend that cannot run here fails, as in the CLI
@@ -277,3 +317,32 @@ class CaseItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, None, f"k3conf {self.case.name} on {self.conformance.backend.name}"
+
+
+class FuzzItem(pytest.Item):
+    """The fuzz draws of one core on the session's backend; fails with the shrunk findings' lines. Its JUnit row
+    is classed `k3conf.fuzz`, named by the core."""
+
+    def __init__(self, *, core: str, conformance: ConformanceSession, **kwargs):
+        super().__init__(**kwargs)
+        self.core, self.conformance = core, conformance
+
+    def setup(self) -> None:
+        junit_names(self, f"{COLLECTOR}.{FUZZ}", self.core)
+
+    def runtest(self) -> None:
+        if self.conformance.strict_missing:
+            raise CaseFailed(f"K3_STRICT=1 and {self.conformance.strict_missing[0]}")
+        summary = self.conformance.fuzz(self.core)
+        if summary.findings:
+            raise CaseFailed("\n".join(summary.findings))
+        if not any(r.status == "pass" for r in summary.results):
+            pytest.skip(f"no draw of {self.core} was judged ({summary.line()})")
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, CaseFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, f"k3conf fuzz {self.core} on {spec_of(self.conformance.backend)}"

@@ -10,7 +10,9 @@ conformance.pytest_cases, which holds the rest: one collector `k3conf` whose ite
 its case name (`kda_decode/B2-H3-K16`), marked `k3conf`, with its block and with every core it exercises (`-m
 kda_decode` selects the kda_decode cases and the model traces that run kda_decode); a failing item shows its own
 failure line (case, backend, tensor, why); JUnit rows are classed by block (`k3conf.kda_decode`); the session ends
-with the run's table, and `--k3conf-report DIR` writes the report files `k3conf run --report DIR` writes. Cases
+with the run's table, and `--k3conf-report DIR` writes the report files `k3conf run --report DIR` writes. After
+the cases come the fuzz items `fuzz/<core>`, one per core the backend supplies (`--k3conf-fuzz SECONDS`, as `k3conf
+run --fuzz`; `--k3conf-no-fuzz` leaves them out): a failing one names the smallest failing draw. Cases
 whose cores the backend does not supply skip as "n/a (reference core)"; an unavailable backend skips every item
 with its reason (fails it under K3_STRICT, read as `k3conf run` reads it). The verdicts and the outcome are those
 of `k3conf run --backend` on the same cases: a backend judged on nothing (every item skip or n/a) fails the session.
@@ -38,6 +40,10 @@ def pytest_addoption(parser) -> None:
                          "--report DIR` does (default: none)")
     group.addoption("--k3conf-timing", action="store_true",
                     help="also measure speed and apply the speed gates (off by default: tests are not benchmarks)")
+    group.addoption("--k3conf-fuzz", type=float, default=0.0, metavar="SECONDS",
+                    help="after the cases, items fuzz/<core>: one draw of every region of each core the backend "
+                         "supplies, then more for SECONDS in all (default 0: one round), as `k3conf run --fuzz`")
+    group.addoption("--k3conf-no-fuzz", action="store_true", help="no fuzz items (the cases alone)")
 
 
 def pytest_configure(config) -> None:

@@ -148,6 +148,8 @@ def _summary(report: RunReport, cnt: dict[str, int]) -> list[str]:
            + (f" ({cnt['error']} error{'s' if cnt['error'] != 1 else ''})" if cnt["error"] else "")
            + f", <b class=na>{cnt['n/a']} n/a</b>, <b class=skip>{cnt['skip']} skip</b> of {cnt['total']}, "
            f"in {report.wall_seconds:.0f} s.</p>"]
+    if report.fuzz is not None:
+        out.append(f"<p class='{'first bad' if report.fuzz.findings else 'note'}'>{_e(report.fuzz.line())}</p>")
     out += [f"<p class='first bad'>{_e(m)}</p>" for m in report.run_failures() + report.nothing_judged]
     out += [f"<p class='first bad'>{_e(m)}</p>" for m in text_report.flip_lines(report)]
     notes = [f"skipped {row['name']}: {row['reason']}" for row in report.backends if not row["available"]]

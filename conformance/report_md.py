@@ -36,6 +36,7 @@ def markdown(report: RunReport) -> str:
     lines += [f"Results (case, backend): **{cnt['pass']} pass, {cnt['fail']} fail, {cnt['n/a']} n/a, "
               f"{cnt['skip']} skip** of {cnt['total']}"
               + (f" ({cnt['error']} of the failures are errors)" if cnt["error"] else "") + ".", ""]
+    lines += [f"- {plain(report.fuzz.line())}"] if report.fuzz is not None else []
     lines += [f"- {plain(m)}" for m in report.run_failures() + report.nothing_judged]
     lines += [f"- skipped `{b['name']}`: {plain(b['reason'])}" for b in report.backends if not b["available"]]
     lines += [f"- {plain(n)}" for n in not_run_lines(report) + skip_lines(report)]

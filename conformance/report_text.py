@@ -180,7 +180,8 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
     never = never_runs(report)
     shown = [b for b in backends if any((c, b) not in never for c in cases if (c, b) in cells)]
     # the title is a line of its own: a table's title wraps at the table's width, which may be narrow
-    say(f"k3conf run ({report.config}): worst relative RMS error per case and backend (its share of the bound)")
+    if report.results:
+        say(f"k3conf run ({report.config}): worst relative RMS error per case and backend (its share of the bound)")
     table = Table()
     table.add_column("case", no_wrap=True)
     for b in shown:
@@ -211,6 +212,8 @@ def print_terminal(report: RunReport, console: Console | None = None) -> None:
         say(note, "yellow")
     for line in flip_lines(report):
         say(line, "red")
+    if report.fuzz is not None:
+        say(report.fuzz.line(), "red" if report.fuzz.findings else "cyan")
     for line in report.run_failures() + report.nothing_judged:
         say(line, "red")
     fails = report.failures

@@ -127,6 +127,43 @@ class CaseResult:
 
 
 @dataclasses.dataclass
+class FuzzSummary:
+    """The fuzz draws of a run: every draw's result, one line per shrunk finding ("smallest failing: ..."), the
+    replay files written for them, the seed (the run's), and the seconds spent."""
+
+    results: list[CaseResult]
+    findings: list[str]
+    replays: list[str]
+    seed: int
+    seconds: float
+
+    def line(self) -> str:
+        """'fuzz: 102 draws of 15 cores on 3 backends passed (seed S; ...)' or the count of findings."""
+        backends = len({r.backend for r in self.results})
+        cores = len({r.block for r in self.results})
+        over = [r for r in self.results if r.status == "error" and "within the memory budget" in r.error]
+        judged = [r for r in self.results if r.status in ("pass", "fail", "error") and r not in over]
+        head = f"fuzz: {len(judged)} draw(s) of {cores} core(s) on {backends} backend(s)"
+        tail = f"; {len(over)} over the memory budget, not judged" if over else ""
+        if not self.findings:
+            return (f"{head} passed (seed {self.seed}, {self.seconds:.1f} s; K3CONF_FRESH_SEED={self.seed} replays "
+                    f"them{tail})")
+        return f"{head}: {len(self.findings)} failing draw(s), each shrunk (seed {self.seed}{tail})"
+
+    @classmethod
+    def merged(cls, parts: list[FuzzSummary]) -> FuzzSummary | None:
+        """One summary of several drawn with one seed (the pytest plugin's items, one per core); None for none."""
+        if not parts:
+            return None
+        return cls([r for p in parts for r in p.results], [f for p in parts for f in p.findings],
+                   [r for p in parts for r in p.replays], parts[0].seed, sum(p.seconds for p in parts))
+
+    def to_dict(self) -> dict:
+        return {"seed": self.seed, "seconds": self.seconds, "findings": self.findings, "replays": self.replays,
+                "line": self.line(), "results": [r.to_dict() for r in self.results]}
+
+
+@dataclasses.dataclass
 class RunReport:
     """Everything one `k3conf run` found."""
 
@@ -140,6 +177,7 @@ class RunReport:
     # processes a backend's kernels left running after its worker was stopped (killed then), one line per backend
     left_running: list[str] = dataclasses.field(default_factory=list)
     judge_problem: str = ""   # the gate tables changed while the run judged (gates.tables_changed): no verdict holds
+    fuzz: FuzzSummary | None = None   # the run's fuzz draws (conformance.fuzz), None when it drew none
 
     @property
     def refused(self) -> list[str]:
@@ -184,19 +222,22 @@ class RunReport:
         """What fails the run besides its cells: the judge itself changed, a backend refused at start-up, one that
         left processes running, a backend K3_STRICT needs that cannot run, one judged on nothing."""
         return ([f"the judge was changed during the run: {self.judge_problem}"] if self.judge_problem else []) + \
-            self.refused + self.left_running + [f"K3_STRICT=1 and {m}" for m in self.strict_missing]
+            self.refused + self.left_running + [f"K3_STRICT=1 and {m}" for m in self.strict_missing] + \
+            [f"fuzz: {f}" for f in (self.fuzz.findings if self.fuzz else [])]
 
     def first_failure_line(self) -> str:
         """'FIRST FAILURE: <case> on <backend>: <tensor> (block <block>): <why>' or a pass line. A changed judge, a
         refused backend and K3_STRICT come before the cells; processes left running after them."""
-        early = [f for f in self.run_failures() if f not in self.left_running]
+        late = set(self.left_running) | {f"fuzz: {f}" for f in (self.fuzz.findings if self.fuzz else [])}
+        early = [f for f in self.run_failures() if f not in late]
         if early:
             return f"FIRST FAILURE: {early[0]}"
         r = self.first_failure
         if r is None and self.nothing_judged:
             return f"FIRST FAILURE: {self.nothing_judged[0]}"
-        if r is None and self.left_running:
-            return f"FIRST FAILURE: {self.left_running[0]}"
+        later = [f for f in self.run_failures() if f in late]
+        if r is None and later:
+            return f"FIRST FAILURE: {later[0]}"
         if r is None:
             c = self.counts()
             parts = [f"{c['n/a']} n/a: reference core only" if c["n/a"] else "",
@@ -218,6 +259,7 @@ class RunReport:
             "config": self.config, "exit_code": self.exit_code, "first_failure": self.first_failure_line(),
             "summary": self.counts(), "strict_missing": self.strict_missing, "nothing_judged": self.nothing_judged,
             "refused": self.refused, "left_running": self.left_running, "judge_problem": self.judge_problem,
+            "fuzz": None if self.fuzz is None else self.fuzz.to_dict(),
             "wall_seconds": self.wall_seconds, "backends": self.backends,
             "copy_bandwidth": self.copy_bandwidth, "metadata": self.metadata,
             "results": [r.to_dict() for r in self.results],

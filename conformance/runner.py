@@ -362,13 +362,14 @@ def case_runner(root: Path, config: str = "tiny", timing: bool = True, pool: Wor
 def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, config: str = "tiny",
         timing: bool = True, progress=None, timeout: float = DEFAULT_TIMEOUT,
         in_process: frozenset[str] | None = None, checks: list[BackendCheck] | None = None,
-        pool: WorkerPool | None = None) -> RunReport:
+        pool: WorkerPool | None = None, fuzz=None) -> RunReport:
     """Run `cases` on the named backends (every registered one when None) against the goldens in `root`.
 
     progress: optional callable(done, total, label) called after each (case, backend). timeout: seconds an
     isolated backend's worker may stay silent (in one core call); in_process: the backends not isolated;
     checks, pool: the backends as the caller already checked them, in its worker processes (session.check_backends).
-    The pool is closed when the run ends: what its workers left running is named in the report.
+    The pool is closed when the run ends: what its workers left running is named in the report. fuzz: a step run
+    after the cases, fuzz(runner, backends) -> FuzzSummary | None (conformance.fuzz.inrun.fuzz_step).
     """
     t0 = time.perf_counter()
     judge_at_start = gates.judge_state()
@@ -381,12 +382,15 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
         runner = Runner(root, config, timing, seed=fresh_seed(), in_process=in_process, pool=pool,
                         handles={c.name: c.backend for c in checks})
         results, total = [], len(cases) * len(backends)
+        fuzzed = None
         try:
             for case in cases:
                 for b in backends:
                     results.append(runner.run_one(case, b))
                     if progress:
                         progress(len(results), total, f"{case.name} on {b.name}")
+            if fuzz is not None:
+                fuzzed = fuzz(runner, backends)
         finally:
             runner.close()
     finally:
@@ -395,4 +399,4 @@ def run(cases: list[Case], backend_names: list[str] | None, root: Path, *, confi
     wall = time.perf_counter() - t0
     return RunReport(config, rows, results, wall, bw, strict_missing(rows),
                      metadata=collect_metadata(root=root, config=config, seed=runner.seed, duration=wall),
-                     left_running=pool.left_lines(), judge_problem=gates.tables_changed(judge_at_start))
+                     left_running=pool.left_lines(), judge_problem=gates.tables_changed(judge_at_start), fuzz=fuzzed)

@@ -156,16 +156,21 @@ def as_backend(obj: object, origin: str, reserved: Collection[str] = ()) -> Back
     backend = adapt(obj)
     if not isinstance(backend.name, str) or not backend.name:
         raise BackendError(f"{origin}: name: expected a non-empty backend name, found {backend.name!r:.200}")
-    if backend.name in reserved or backend.name.startswith("mutant:"):
+    if backend.name in reserved or backend.name.startswith(OWN_PREFIXES):
         raise BackendError(f"{origin}: the name {backend.name!r} is a built-in backend's; give yours another name")
     if backend.precision not in PRECISIONS:
         raise BackendError(f"{origin}: precision expected one of {PRECISIONS}, found {backend.precision!r}")
     return backend
 
 
+# prefixes of the package's own backend families (conformance.backends.registry): never a MODULE:ATTR
+OWN_PREFIXES = ("mutant:", "recipe:")
+
+
 def is_spec(name: str) -> bool:
-    """True for 'MODULE:ATTR' (and 'path/to/file.py:ATTR'); registered names and 'mutant:...' are not specs."""
-    return ":" in name and not name.startswith("mutant:")
+    """True for 'MODULE:ATTR' (and 'path/to/file.py:ATTR'); registered names, 'mutant:...' and 'recipe:...' are
+    not specs."""
+    return ":" in name and not name.startswith(OWN_PREFIXES)
 
 
 def load(spec: str, reserved: Collection[str] = ()) -> BackendBase:

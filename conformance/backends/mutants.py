@@ -4,8 +4,9 @@ runner catches each mistake and names its block first; `k3conf run --backend mut
 MUTANTS is the table, built here from data: the gross mistakes on numpy64, a one-percent error on each bf16
 kernel core (on torch-bf16), the model traces' wrong AttnRes block boundary, and the mistakes only K3's real
 sizes show (on numpy32, an fp32 kernel's precision): they pass every toy golden and fail the k3 shape sets
-(tests/conformance/test_shapes_mutants.py); and the engine-shaped cores' layout mistakes (mutants_kda, mutants_mla,
-mutants_moe).
+(tests/conformance/test_shapes_mutants.py); the engine-shaped cores' layout mistakes (mutants_kda, mutants_mla,
+mutants_moe); and what a fixed case table can miss (mutants_space: sizes past a threshold, stated contracts, a
+one-sided rounding).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from conformance.backends import mutants_kda, mutants_mla, mutants_moe
+from conformance.backends import mutants_kda, mutants_mla, mutants_moe, mutants_space
 from conformance.backends.builtin import NumpyBackend
 from conformance.backends.protocol import BackendBase
 from conformance.cases.attnres_mutant import BoundaryOffByOneHub
@@ -214,6 +215,9 @@ MUTANTS: dict[str, Mutant] = {
     # the engine-shaped cores' layout mistakes (a slot off by one, a page size assumed, a scale applied twice)
     **{name: Mutant(*fields) for module in (mutants_kda, mutants_mla, mutants_moe)
        for name, fields in module.ENGINE_MUTANTS.items()},
+    # what a fixed case table can miss: sizes past a threshold (the run's fuzz draws), stated contracts (their
+    # tiny cases), a one-sided rounding (the bias rule)
+    **{name: Mutant(*fields) for name, fields in mutants_space.SPACE_MUTANTS.items()},
 }
 
 

@@ -15,6 +15,8 @@ The table (`k3conf list` shows availability and the reason):
 - `cuda-emu`   the same kernels and wrappers run by the g++ CPU emulation of k3cuda.testing (no GPU, no timing).
 - `mutant:<name>`  numpy64 (or, for the bf16 mutants, torch-bf16) with one core replaced by a deliberately
                wrong one from conformance.backends.mutants.MUTANTS.
+- `recipe:<name>`  a correct kernel written another way (conformance.backends.recipes: wider accumulation, another
+               summation order, fp32 math behind bf16 outputs), the judge's false-fail rate is measured on.
 - entry points of the group `k3conf.backends` (installed packages, conformance.backends.external), by name, and
   `MODULE:ATTR` / `path/to/file.py:ATTR`: a backend defined outside the package (docs/external_backends.md).
 What a backend is: conformance.backends.protocol. Every backend this module hands out is a BackendBase (an object
@@ -43,6 +45,7 @@ from conformance.backends.protocol import (
     MinimalBackend,
     kernel_cores,
 )
+from conformance.backends.recipes import RECIPES, recipe_backend
 from conformance.backends.tensors import adapt
 from k3ref.cores import reference_cores
 
@@ -102,6 +105,10 @@ def known_name(name: str) -> None:
         if name[len("mutant:"):] not in MUTANTS:
             raise KeyError(f"unknown mutant {name!r}; known: {['mutant:' + m for m in MUTANTS]}")
         return
+    if name.startswith("recipe:"):
+        if name[len("recipe:"):] not in RECIPES:
+            raise KeyError(f"unknown recipe {name!r}; known: {['recipe:' + r for r in RECIPES]}")
+        return
     if name in BACKENDS or name in ON_REQUEST or external.is_spec(name) or name in external.entry_points():
         return
     raise KeyError(f"unknown backend {name!r}; known: {backend_names()}, mutant:<{'|'.join(MUTANTS)}> "
@@ -132,6 +139,9 @@ def _build(name: str) -> BackendBase:
         if mutant is None:
             raise KeyError(f"unknown mutant {name!r}; known: {['mutant:' + m for m in MUTANTS]}")
         return mutant_backend(name, mutant, get_backend(mutant.base))
+    if name.startswith("recipe:"):
+        known_name(name)
+        return recipe_backend(name)
     if name in BACKENDS or name in ON_REQUEST:
         return adapt({**ON_REQUEST, **BACKENDS}[name]())
     if external.is_spec(name):              # MODULE:ATTR: a backend defined outside the package

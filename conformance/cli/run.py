@@ -11,6 +11,7 @@ from rich.progress import Progress
 from conformance import report as rep
 from conformance.cases.protocol import CONFIGS
 from conformance.cli.usage import check_cuda_env
+from conformance.fuzz.inrun import cores_run_by, fuzz_step
 from conformance.isolation.client import DEFAULT_TIMEOUT, WorkerPool
 from conformance.isolation.processes import guard_this_process
 from conformance.runner import run as run_cases
@@ -18,6 +19,17 @@ from conformance.session import check_backends, check_report_dir, golden_root, p
 from conformance.tp.cli import run_tp_command
 
 __all__ = ["add_shape_options", "add_tp_options", "register", "run", "seconds"]
+
+
+def fuzz_seconds(text: str) -> float:
+    """A --fuzz value: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, found {text!r}")
+    return value
 
 
 def seconds(text: str) -> float:
@@ -46,6 +58,11 @@ def register(sub) -> None:
     p.add_argument("--golden", type=Path, default=None, metavar="DIR",
                    help="golden directory (default golden/ for tiny, the cache for the other case sets)")
     p.add_argument("--no-timing", action="store_true", help="skip the speed measurements")
+    p.add_argument("--fuzz", type=fuzz_seconds, default=0.0, metavar="SECONDS",
+                   help="after the cases, fuzz every judged backend's cores: one draw of every region of each core's "
+                        "space (sizes past its thresholds, stated contracts), then more while SECONDS last (default 0: "
+                        "one round); a failing draw is shrunk and written as a replay file (docs/fuzz.md)")
+    p.add_argument("--no-fuzz", action="store_true", help="no fuzz draws (the cases alone)")
     p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="how long a backend's core may run (in its worker process) before the case is an error "
                         f"and the worker is stopped (default {DEFAULT_TIMEOUT:g})")
@@ -96,9 +113,10 @@ def run(args) -> int:
 
 def run_with_progress(cases, args, root: Path, console, checks, pool):
     """The run's report; a progress bar on a terminal when there are more than a handful of cases."""
+    step = None if args.no_fuzz else fuzz_step(args.fuzz, args.report.resolve() / "fuzz", cores_run_by(cases))
     if not (console.is_terminal and len(cases) > 10):
         return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
-                         timeout=args.timeout, checks=checks, pool=pool)
+                         timeout=args.timeout, checks=checks, pool=pool, fuzz=step)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("k3conf run", total=None)
 
@@ -106,4 +124,4 @@ def run_with_progress(cases, args, root: Path, console, checks, pool):
             bar.update(task, completed=done, total=total, description=label)
 
         return run_cases(cases, args.backend, root, config=args.config, timing=not args.no_timing,
-                         timeout=args.timeout, progress=progress, checks=checks, pool=pool)
+                         timeout=args.timeout, progress=progress, checks=checks, pool=pool, fuzz=step)

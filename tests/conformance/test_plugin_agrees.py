@@ -64,13 +64,24 @@ def author(tmp_path_factory) -> Path:
     return root
 
 
+def _cells(report: dict) -> dict[str, str]:
+    """case -> verdict of a `k3conf run` report, and 'fuzz/<core>' -> the verdict the plugin's item of that core's
+    draws gives: FAILED with a shrunk finding, PASSED when a draw passed, else SKIPPED."""
+    cells = {r["case"]: VERDICT[r["status"]] for r in report["results"]}
+    fuzz = report.get("fuzz") or {"results": [], "findings": []}
+    for core in {r["block"] for r in fuzz["results"]}:
+        passed = any(r["status"] == "pass" for r in fuzz["results"] if r["block"] == core)
+        found = any(f": {core}: smallest failing" in line for line in fuzz["findings"])
+        cells[f"fuzz/{core}"] = "FAILED" if found else "PASSED" if passed else "SKIPPED"
+    return cells
+
+
 def _cli(author: Path, attr: str, tmp_path: Path) -> tuple[int, dict[str, str]]:
-    """(exit code, case -> verdict) of `k3conf run` on the backend `attr`."""
+    """(exit code, case -> verdict) of `k3conf run` on the backend `attr`, its fuzz draws' too."""
     out = tmp_path / f"cli-{attr}"
     rc = main(["run", "--backend", f"{author / 'k3_backends.py'}:{attr}", "--cases", *CASES, "--report", str(out),
                "--no-timing"])
-    report = json.loads((out / "report.json").read_text())
-    return rc, {r["case"]: VERDICT[r["status"]] for r in report["results"]}
+    return rc, _cells(json.loads((out / "report.json").read_text()))
 
 
 def _plugin(author: Path, attr: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -106,8 +117,10 @@ def test_plugin_and_cli_give_the_same_verdicts(author, tmp_path, monkeypatch, at
 
 def test_each_failing_item_says_why_in_its_own_line(author):
     p = _plugin(author, "one_off", {"K3_STRICT": ""})
-    failed = [case for case, v in _item_verdicts(p.stdout).items() if v == "FAILED"]
+    failed = [case for case, v in _item_verdicts(p.stdout).items() if v == "FAILED" and not case.startswith("fuzz/")]
     assert len(failed) >= 2, p.stdout[-3000:]
+    # the fuzz item of the core fails with its shrunk draw's line
+    assert _item_verdicts(p.stdout)["fuzz/rmsnorm"] == "FAILED" and "rmsnorm: smallest failing: " in p.stdout
     for case in failed:        # pytest's failure section of the item: its own case, tensor and rule
         first_line = p.stdout.split(f" k3conf {case} on one-off ", 1)[1].lstrip("_").strip().splitlines()[0]
         assert first_line.startswith(f"{case} on one-off: outputs.y (block rmsnorm): "), first_line
@@ -159,11 +172,11 @@ def test_a_kernel_that_ends_its_process_or_scribbles_fails_both_front_ends_alike
     rc = main(["run", "--backend", f"{UNTRUSTED}:{attr}", "--cases", case, "--report", str(tmp_path / "cli"),
                "--no-timing"])
     report = json.loads((tmp_path / "cli" / "report.json").read_text())
-    cli_cells = {r["case"]: VERDICT[r["status"]] for r in report["results"]}
+    cli_cells = _cells(report)
     env = {**os.environ, "K3_STRICT": ""}
     env.pop("PYTEST_ADDOPTS", None)
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rA",
                         f"--k3conf-backend={UNTRUSTED}:{attr}", f"--k3conf-cases={case}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert cli_cells == {case: "FAILED"} and rc == 1, report["results"]
+    assert cli_cells[case] == "FAILED" and rc == 1, report["results"]
     assert _item_verdicts(p.stdout) == cli_cells and p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]

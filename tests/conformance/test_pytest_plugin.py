@@ -33,6 +33,7 @@ DOC = Path(__file__).parents[2] / "docs" / "kernel_authors.md"
 SELECTION = ["rmsnorm", "add_rmsnorm", "kda_decode", "kda_decode_pool", "latent_moe", "trace/free-P7-D5"]
 MUTANT = "mutant:kda-decode-v-batch0"    # kda_decode with batch row 0's v given to every row: fails most cases
 FAILING = ["kda_decode", "rmsnorm/T1-D113"]
+FAILING_CORES = ("kda_decode", "rmsnorm")     # the cores those cases run: the fuzz items of a run of them
 
 
 @pytest.fixture(scope="module")
@@ -122,17 +123,23 @@ def test_junit_rows_are_classed_by_block_and_named_by_case(failing):
     p, root, _ = failing
     rows = _junit_rows(root)
     cases = pick_cases("tiny", FAILING)
-    want = {(f"k3conf.{c.block}", c.name.split("/", 1)[1]) for c in cases} | {("test_mine", "test_mine")}
+    fuzzed = {("k3conf.fuzz", core) for core in FAILING_CORES}    # one fuzz item per core the cases run
+    want = {(f"k3conf.{c.block}", c.name.split("/", 1)[1]) for c in cases} | {("test_mine", "test_mine")} | fuzzed
     assert set(rows) == want, p.stdout[-2000:]
 
 
 def test_each_failing_item_reports_its_own_failure(failing):
     p, root, _ = failing
-    failed = {name: msg for (cls, name), msg in _junit_rows(root).items() if msg not in ("passed", "skipped")}
+    rows = _junit_rows(root).items()
+    failed = {name: msg for (cls, name), msg in rows if msg not in ("passed", "skipped") and cls != "k3conf.fuzz"}
     assert len(failed) >= 2, p.stdout[-3000:]
     for name, message in failed.items():
         assert message.startswith(f"kda_decode/{name} on {MUTANT}: outputs."), message
         assert "FIRST FAILURE" not in message
+    # the fuzz item of the mutated core fails with its smallest failing draw; the other core's passes
+    fuzz = {name: msg for (cls, name), msg in rows if cls == "k3conf.fuzz"}
+    assert fuzz["kda_decode"].startswith(f"{MUTANT}: kda_decode: smallest failing: B=2 "), fuzz["kda_decode"]
+    assert fuzz["rmsnorm"] == "passed", fuzz
     assert len(set(failed.values())) == len(failed), "two items share one failure message"
     assert p.stdout.count("FIRST FAILURE: ") == 1, p.stdout[-3000:]     # the run's one, in the k3conf section
 
@@ -147,8 +154,9 @@ def test_the_report_files_hold_the_items_verdicts(failing):
     in_report = {(f"k3conf.{r['block']}", r["case"].split("/", 1)[1]): verdict[r["status"]]
                  for r in report["results"]}
     in_junit = {key: v if v in ("passed", "skipped") else "failed" for key, v in _junit_rows(root).items()
-                if key[0].startswith("k3conf.")}
+                if key[0].startswith("k3conf.") and key[0] != "k3conf.fuzz"}
     assert in_report == in_junit
+    assert report["fuzz"]["findings"][0].startswith(f"{MUTANT}: kda_decode: smallest failing:"), report["fuzz"]
     assert report["exit_code"] == 1 and report["backends"][0]["name"] == MUTANT
     assert report["first_failure"] in p.stdout and report["metadata"]["package"]["name"] == "k3-conformance"
 
