@@ -29,6 +29,7 @@ import numpy as np
 from conformance.backends.registry import get_backend
 from conformance.cases.catalog import all_cases, select
 from conformance.cases.fresh import PER_BLOCK_KINDS
+from conformance.fuzz.draws import FuzzRunner, plan
 from conformance.golden.store import COMMITTED_ROOT
 from conformance.judge import gates
 from conformance.judge.compare import Comparison
@@ -43,38 +44,62 @@ def _seeds(text: str) -> range:
 
 
 def _records(args) -> tuple[list[dict], str]:
-    """One record per (seed, case, tensor) of a fresh run: the backend's and its baseline's errors."""
+    """One record per (seed, case, tensor) of a fresh run (and, with --fuzz, of each fuzz draw of the seed): the
+    backend's and its baseline's errors."""
     cases = [c for c in select(all_cases(args.config), args.cases) if c.kind in PER_BLOCK_KINDS]
     runner = Runner(COMMITTED_ROOT, args.config, False, seed=None,
-                    in_process=frozenset({"numpy64", "numpy32", args.backend}))
+                    in_process=frozenset({"numpy64", "numpy32", "torch-bf16", args.backend}))
     backend = get_backend(args.backend)
-    records = []
+    records: list[dict] = []
     try:
         for seed in args.seeds:
             fresh = FreshRunner(runner, seed)
             for case in cases:
-                result = fresh.run_one(case, backend)
-                _, base = fresh.baseline_errors(case, fresh.golden(case), backend.precision)
-                for t in result.tensors:
-                    b = (base or {}).get(t.tensor)
-                    if t.comparison.exact or t.comparison.problem or b is None:
-                        continue
-                    records.append(dict(seed=seed, case=case.name, config=case.config, block=t.block,
-                                        tensor=t.tensor, gate_tensor=t.gate_key[1], precision=backend.precision,
-                                        rel_rms=t.comparison.rel_rms, worst_err=t.comparison.worst_err,
-                                        max_abs=t.comparison.max_abs,
-                                        base_rel_rms=b.rel_rms, base_worst_err=b.worst_err,
-                                        passed=bool(t.verdict.passed), why=t.verdict.why))
+                records += _case_records(fresh, case, backend, seed)
             fresh.close()
+            if args.fuzz:
+                fuzz_runner = FuzzRunner(runner)
+                for draw in plan(backend.kernel_cores(), seed, rounds=args.fuzz):
+                    records += _case_records(fuzz_runner, draw.case, backend, seed)
+                fuzz_runner.close()
     finally:
         runner.close()
-    return records, f"{args.backend} on {len(cases)} {args.config} cases"
+    fuzz = f" and {args.fuzz} round(s) of fuzz draws" if args.fuzz else ""
+    return records, f"{args.backend} on {len(cases)} {args.config} cases{fuzz}"
+
+
+def _case_records(runner: Runner, case, backend, seed: int) -> list[dict]:
+    result = runner.run_one(case, backend)
+    golden = runner.golden(case)
+    if isinstance(golden, Exception):
+        return []
+    _, base = runner.baseline_errors(case, golden, backend.precision)
+    out = []
+    for t in result.tensors:
+        b = (base or {}).get(t.tensor)
+        if t.comparison.exact or t.comparison.problem or b is None:
+            continue
+        c = t.comparison
+        out.append(dict(seed=seed, case=case.name, config=case.config, block=t.block, tensor=t.tensor,
+                        gate_tensor=t.gate_key[1], precision=backend.precision, rel_rms=c.rel_rms,
+                        worst_err=c.worst_err, max_abs=c.max_abs, worst_out=c.worst_out, worst_ref=c.worst_ref,
+                        lean=_lean(c, b),
+                        base_rel_rms=b.rel_rms, base_worst_err=b.worst_err, 
+                        passed=bool(t.verdict.passed), why=t.verdict.why))
+    return out
+
+
+def _lean(c: Comparison, b: gates.BaselineError) -> list | None:
+    """The bias rule's statistic (gates.lean_test): [rows, mean lean over the baseline's, t]."""
+    test = gates.lean_test(c.row_leans, b.row_leans)
+    return None if test is None else list(test)
 
 
 def _comparison(r: dict) -> Comparison:
     """The record's errors as the Comparison gates.judge reads (no max_abs, an older dump: abs_floor adds nothing)."""
     return Comparison((), "float64", max_abs=r.get("max_abs", 0.0), rel_rms=r["rel_rms"], worst_err=r["worst_err"],
-                      n_within=1, n_total=1)
+                      n_within=1, n_total=1, 
+                      worst_out=r.get("worst_out"), worst_ref=r.get("worst_ref"))
 
 
 def _rejudged(records: list[dict]) -> list[dict]:
@@ -97,11 +122,11 @@ def _ratios(r: dict) -> dict[str, tuple[float, float, float]]:
     out = {}
     if gate.k is not None:
         bound = gate.k * r["base_rel_rms"] + gates.rule_floor(cmp, gate.floor, gate)[0]
-        out["rel RMS"] = (r["rel_rms"] / bound, r["rel_rms"] / max(r["base_rel_rms"], 1e-300),
+        out["rel RMS"] = (r["rel_rms"] / max(bound, 1e-300), r["rel_rms"] / max(r["base_rel_rms"], 1e-300),
                           r["rel_rms"] - gate.k * r["base_rel_rms"])
     if gate.elem_k is not None and r["base_worst_err"] is not None:
         bound = gate.elem_k * r["base_worst_err"] + gates.rule_floor(cmp, gate.elem_floor, gate)[0]
-        out["per element"] = (r["worst_err"] / bound, r["worst_err"] / max(r["base_worst_err"], 1e-300),
+        out["per element"] = (r["worst_err"] / max(bound, 1e-300), r["worst_err"] / max(r["base_worst_err"], 1e-300),
                               r["worst_err"] - gate.elem_k * r["base_worst_err"])
     return out
 
@@ -131,6 +156,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=_seeds, default=range(0, 100), help="FIRST:END, END excluded (default 0:100)")
     ap.add_argument("--config", default="tiny", help="shape set of the committed goldens (default tiny)")
     ap.add_argument("--cases", nargs="*", help="case globs (default every per-block case)")
+    ap.add_argument("--fuzz", type=int, default=0, metavar="ROUNDS",
+                    help="also judge ROUNDS rounds of fuzz draws (every region of the backend's cores) per seed")
     ap.add_argument("--closest", type=int, default=15, help="how many of the closest (case, tensor) to print")
     ap.add_argument("--dist", action="store_true", help="print the distribution per (case, tensor, rule)")
     ap.add_argument("--dump", help="write every (seed, case, tensor)'s errors to this file (JSON lines)")

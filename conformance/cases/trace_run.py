@@ -29,10 +29,10 @@ DECODE_STEPS = 5
 FORCING_PRECISIONS = frozenset({"bf16"})
 
 
-def forcing_budgets(precision: str) -> dict[str, float]:
-    """choice -> near-tie budget at `precision` (gates.margin_budgets); ValueError when the budget table gives one
-    to a precision that may not force."""
-    budgets = margin_budgets(precision)
+def forcing_budgets(precision: str, mode: str) -> dict[str, float]:
+    """choice -> near-tie budget at `precision` in a trace of `mode` (gates.margin_budgets); ValueError when the
+    budget table gives one to a precision that may not force."""
+    budgets = margin_budgets(precision, mode)
     if precision not in FORCING_PRECISIONS and any(b > 0 for b in budgets.values()):
         raise ValueError(f"teacher forcing at {precision}: expected no near-tie budget (only "
                          f"{', '.join(sorted(FORCING_PRECISIONS))} may force), found {budgets} in "

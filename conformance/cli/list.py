@@ -7,7 +7,7 @@ from conformance.cases.catalog import all_cases
 from conformance.cases.protocol import CONFIGS
 from conformance.cli.usage import UsageError, check_cuda_env
 from conformance.isolation.client import WorkerPool
-from conformance.judge.gates import BASELINE, BASELINE_GATES, GATES, MARGIN_BUDGETS
+from conformance.judge.gates import BASELINE, BASELINE_GATES, FREE_MARGIN_BUDGETS, GATES, MARGIN_BUDGETS
 from conformance.session import SessionError, backend_checks
 
 SECTIONS = ("cases", "backends", "mutants", "gates")
@@ -65,7 +65,8 @@ def run(args) -> int:
         for (block, tensor, prec), g in BASELINE_GATES.items():
             print(f"  ({block}, {tensor}, {prec}): cap {g.cap:.3g} -- {g.reason}")
         print("near-tie budgets (model traces: a golden margin below this is teacher-forced and counted):")
-        for prec, budgets in MARGIN_BUDGETS.items():
-            for choice, (value, why) in budgets.items():
-                print(f"  {prec} {choice}: {value:g} -- {why}")
+        for mode, table in (("layerwise", MARGIN_BUDGETS), ("free", FREE_MARGIN_BUDGETS)):
+            for prec, budgets in table.items():
+                for choice, (value, why) in budgets.items():
+                    print(f"  {prec} {choice} ({mode} traces): {value:g} -- {why}")
     return 0

@@ -44,6 +44,11 @@ class Comparison:
     first_nonfinite_mismatch: tuple | None = None
     exact: bool = False                 # integer tensor: compared for equality
     problem: str = ""                   # shape / dtype mismatch, or an exact-compare failure summary
+    # per row (the last axis; each element of a vector), sum(|out| - |ref|) / sum(|ref|) over its finite elements:
+    # how much larger the output's magnitudes are, as a share of the reference's (< 0: pulled toward zero); NaN
+    # for a row with nothing to read. A row shares its scalars (a norm, a softmax's sum), so its elements' signs
+    # are not independent; rows are the units the bias rule counts (gates.lean_test).
+    row_leans: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def comparable(self) -> bool:
@@ -70,7 +75,8 @@ class Comparison:
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, row_leans=None))
+        del d["row_leans"]
         d["shape"] = list(self.shape)
         d["worst_index"] = None if self.worst_index is None else list(self.worst_index)
         d["first_nonfinite_mismatch"] = (None if self.first_nonfinite_mismatch is None
@@ -154,7 +160,17 @@ def _compare_float(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float, d
         worst_out, worst_ref = float(out[worst]), float(ref[worst])
     return Comparison(ref.shape, dtype, max_abs=max_abs, rel_rms=rel, worst_err=max_abs / ref_rms, worst_index=worst,
                       worst_out=worst_out, worst_ref=worst_ref, n_within=int(within.sum()), n_total=int(ref.size),
-                      nonfinite_mismatch=mismatch, first_nonfinite_mismatch=first)
+                      nonfinite_mismatch=mismatch, first_nonfinite_mismatch=first,
+                      row_leans=_row_leans(out, ref, both))
+
+
+def _row_leans(out: np.ndarray, ref: np.ndarray, both: np.ndarray) -> np.ndarray:
+    """Comparison.row_leans: rows along the last axis (a vector's elements one by one)."""
+    shape = (-1, 1) if ref.ndim <= 1 else (-1, ref.shape[-1])
+    a_out, a_ref = (np.where(both, np.abs(x), 0.0).reshape(shape) for x in (out, ref))
+    den = a_ref.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (a_out - a_ref).sum(axis=1) / den, np.nan)
 
 
 def as_tuple(result) -> tuple[np.ndarray, ...]:

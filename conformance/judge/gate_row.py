@@ -1,5 +1,5 @@
-"""One row of the gate table, the rule that turns a baseline's measured error into its own absolute row, and how a
-row is found for a tensor of a shape set.
+"""One row of the gate table, the rule that turns a baseline's measured error into its own absolute row, how a
+row is found for a tensor of a shape set, and the read-only mapping every built table is held in.
 
 Kept apart from the table (conformance.judge.gate_table) and from the verdicts (conformance.judge.gates), which
 both build on it.
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn
 
 PRECISIONS = ("fp64", "fp32", "bf16")
 BASELINE = {"fp32": "numpy32", "bf16": "torch-bf16"}
@@ -32,6 +34,9 @@ class Gate:
     elem_why: str = ""              # the measurement behind elem_k and elem_floor
     abs_floor: float = 0.0          # an absolute error (the tensor's own units) allowed in both rules, over RMS(ref):
                                     # a sum that cancels keeps the rounding of its terms, not of its small value
+    out_round: float = 0.0          # the unit roundoff of an output the baseline returns unrounded and a kernel may
+                                    # store rounded: u added to the relative RMS floor, u x |ref| of the worst
+                                    # element (over RMS(ref)) to the per-element floor
 
 
 def baseline_row(precision: str, measured: float, where: str, shape_set: str) -> Gate:
@@ -86,3 +91,32 @@ def lookup(table: Mapping, block: str, tensor: str, precision: str,
         if key in table:
             return key, table[key]
     return None, None
+
+
+class ReadOnlyTable(Mapping):
+    """A gate table after it is built: it reads like a dict, and any write raises TypeError naming the table."""
+
+    def __init__(self, name: str, rows: Mapping):
+        self._name, self._rows = name, types.MappingProxyType(dict(rows))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._rows[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyTable({self._name}, {len(self._rows)} rows)"
+
+    def __setitem__(self, key: Any, value: Any) -> NoReturn:
+        raise self._refused(f"set {key!r}")
+
+    def __delitem__(self, key: Any) -> NoReturn:
+        raise self._refused(f"delete {key!r}")
+
+    def _refused(self, what: str) -> TypeError:
+        return TypeError(f"the gate table {self._name} is read-only once built: cannot {what}; its rows are data "
+                         "in conformance/judge/ (a backend is never judged by rows it wrote)")

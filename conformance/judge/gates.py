@@ -47,8 +47,10 @@ from conformance.judge.compare import Comparison, compare
 from conformance.judge.gate_row import BASELINE, PRECISIONS, Gate, lookup
 from conformance.judge.gate_table import (
     BASELINE_GATES,
+    BIAS_RULES,
     DIGEST,
     ELEMENT_RULES,
+    FREE_MARGIN_BUDGETS,
     GATES,
     MARGIN_BUDGETS,
     MEASURED,
@@ -59,10 +61,11 @@ from conformance.judge.gate_table import (
 )
 
 # the names other modules read here: the row type and the tables it is looked up in
-__all__ = ["BASELINE", "BASELINE_GATES", "FRESH", "GATES", "MARGIN_BUDGETS", "MEASURED", "PRECISIONS",
-           "SPEED_TARGETS", "BaselineError", "Gate", "SpeedResult", "Verdict", "baseline_gate_for", "caps_measured",
-           "errors_against", "gate_for", "judge", "judge_speed", "larger_errors", "lookup", "margin_budgets",
-           "near_tie_route", "no_cap_measured", "judge_state", "tables_changed"]
+__all__ = ["BASELINE", "BASELINE_GATES", "BIAS_RULES", "FREE_MARGIN_BUDGETS", "FRESH", "GATES", "MARGIN_BUDGETS",
+           "MEASURED", "PRECISIONS", "SPEED_TARGETS", "BaselineError", "Gate", "SpeedResult", "Verdict",
+           "baseline_gate_for", "caps_measured", "errors_against", "gate_for", "judge", "judge_speed", "larger_errors",
+           "lean_test", "lookup", "margin_budgets", "near_tie_route", "no_cap_measured", "judge_state",
+           "tables_changed"]
 
 # why no cap applies on fresh inputs (judge, capped=False)
 FRESH = "fresh inputs: the caps were measured on the goldens; the baseline's larger error, here or on the golden"
@@ -82,9 +85,13 @@ def near_tie_route(inter, where: str, budget: float):
     return near, np.asarray(inter[f"route.{where}.choice"]).astype(np.int64)
 
 
-def margin_budgets(precision: str) -> dict[str, float]:
-    """choice ('router', 'argmax') -> the near-tie budget at `precision` (none: every choice must match)."""
-    return {choice: budget for choice, (budget, _) in MARGIN_BUDGETS.get(precision, {}).items()}
+def margin_budgets(precision: str, mode: str) -> dict[str, float]:
+    """choice ('router', 'argmax') -> the near-tie budget at `precision` in a trace of `mode` ('layerwise' or
+    'free': FREE_MARGIN_BUDGETS) (none: every choice must match)."""
+    if mode not in ("layerwise", "free"):
+        raise ValueError(f"trace mode: expected 'layerwise' or 'free', found {mode!r}")
+    table = FREE_MARGIN_BUDGETS if mode == "free" else MARGIN_BUDGETS
+    return {choice: budget for choice, (budget, _) in table.get(precision, {}).items()}
 
 
 def caps_measured(shape_set: str, family: str) -> bool:
@@ -146,6 +153,7 @@ class BaselineError:
     rel_rms: float                   # ||out - ref|| / ||ref||
     worst_err: float | None = None   # max |out - ref| / RMS(ref) (Comparison.worst_err); None: not measured
     own_cap: float | None = None   # the baseline's own BASELINE_GATES cap on this tensor (None: not known)
+    row_leans: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)   # Comparison's
 
     @property
     def failed_own_row(self) -> bool:
@@ -162,7 +170,7 @@ def errors_against(outs: dict, refs: dict) -> dict[str, BaselineError]:
         if t in outs:
             c = compare(outs[t], ref)
             if not c.problem and not c.exact and c.nonfinite_ok:
-                errs[t] = BaselineError(c.rel_rms, c.worst_err)
+                errs[t] = BaselineError(c.rel_rms, c.worst_err, row_leans=c.row_leans)
     return errs
 
 
@@ -242,17 +250,65 @@ def judge(cmp: Comparison, gate: Gate, precision: str, baseline_err: float | Bas
         if worst and cmp.rel_rms <= bound:   # a tensor failing both rules keeps the whole-tensor rule's text
             return Verdict(False, bound, f"{worst}; {rule}")
     ok = cmp.rel_rms <= bound
+    if ok and base is not None and not as_baseline:
+        biased = _bias_failure(cmp, base, precision)
+        if biased:
+            return Verdict(False, bound, f"{biased}; {rule}")
     return Verdict(ok, bound, rule)
 
 
-def rule_floor(cmp: Comparison, floor: float, gate: Gate) -> tuple[float, str]:
-    """A rule's floor with the row's abs_floor over the reference's RMS (RMS(ref) = max_abs / worst_err) added, and
-    how the rule writes it; a row without one: `floor` itself."""
-    if not gate.abs_floor or cmp.worst_err <= 0 or cmp.max_abs <= 0:
-        return floor, f"{floor:.3g}"
-    ref_rms = float(cmp.max_abs / cmp.worst_err)
-    total = floor + gate.abs_floor / ref_rms
-    return total, f"{floor:.3g} + abs {gate.abs_floor:.3g} / RMS(ref) {ref_rms:.3g} = {total:.3g}"
+def lean_test(rows: np.ndarray | None, base_rows: np.ndarray | None) -> tuple[int, float, float] | None:
+    """(rows read, the mean of the output's row leans minus the baseline's, its t statistic over the rows) for one
+    tensor (Comparison.row_leans of both, on the same inputs), or None when the two cannot be paired. Pairing
+    cancels what both share, the error the rounded inputs carry; what is left is how each rounds and sums."""
+    if rows is None or base_rows is None or rows.shape != base_rows.shape:
+        return None
+    d = (rows - base_rows)[np.isfinite(rows) & np.isfinite(base_rows)]
+    if d.size == 0:
+        return None
+    mean = float(d.mean())
+    spread = float(d.std(ddof=1)) if d.size > 1 else 0.0
+    t = mean / (spread / np.sqrt(d.size)) if spread > 0 else (0.0 if mean == 0 else float("inf") * np.sign(mean))
+    return int(d.size), mean, float(t)
+
+
+def _bias_failure(cmp: Comparison, base: BaselineError, precision: str) -> str:
+    """'' unless the output's magnitudes lean (toward or away from zero) from the baseline's on the same inputs,
+    row by row, by more than the precision's margin (in units of its rounding) and consistently enough over enough
+    rows (BIAS_RULES); else the failure."""
+    rule = BIAS_RULES.get(precision)
+    test = lean_test(cmp.row_leans, base.row_leans) if rule is not None else None
+    if rule is None or test is None:
+        return ""
+    least, margin, t_least, unit, why = rule
+    rows, mean, t = test
+    if rows < least or abs(mean) <= margin * unit or abs(t) <= t_least:
+        return ""
+    side = "toward zero" if mean < 0 else "away from zero"
+    return (f"biased rounding ({side}): the output's magnitudes are {abs(mean) / unit:.2f} rounding units "
+            f"({unit:.3g} each) {'smaller' if mean < 0 else 'larger'} than {BASELINE.get(precision)}'s on the same "
+            f"inputs, on average over {rows} rows (t = {t:.1f}; the rule: more than {margin:g} units with |t| > "
+            f"{t_least:g} over at least {least} rows: {why})")
+
+
+def rule_floor(cmp: Comparison, floor: float, gate: Gate, element: bool = False) -> tuple[float, str]:
+    """A rule's floor with the row's abs_floor over the reference's RMS (RMS(ref) = max_abs / worst_err) and its
+    out_round (the whole-tensor rule: u; the per-element rule, `element`: u x the worst element's magnitude over
+    RMS(ref)) added, and how the rule writes it; a row without either: `floor` itself."""
+    total, text = floor, [f"{floor:.3g}"]
+    known = cmp.worst_err > 0 and cmp.max_abs > 0
+    ref_rms = float(cmp.max_abs / cmp.worst_err) if known else 0.0
+    if gate.abs_floor and known:
+        total += gate.abs_floor / ref_rms
+        text.append(f"abs {gate.abs_floor:.3g} / RMS(ref) {ref_rms:.3g}")
+    if gate.out_round and not element:
+        total += gate.out_round
+        text.append(f"output rounding {gate.out_round:.3g}")
+    elif gate.out_round and known:
+        size = max(abs(cmp.worst_out or 0.0), abs(cmp.worst_ref or 0.0))
+        total += gate.out_round * size / ref_rms
+        text.append(f"output rounding {gate.out_round:.3g} x |{size:.3g}| / RMS(ref) {ref_rms:.3g}")
+    return total, (text[0] if len(text) == 1 else f"{' + '.join(text)} = {total:.3g}")
 
 
 def _worst_element_failure(cmp: Comparison, gate: Gate, base: BaselineError, precision: str) -> str:
@@ -261,7 +317,7 @@ def _worst_element_failure(cmp: Comparison, gate: Gate, base: BaselineError, pre
     so a passing tensor's rule reads as the relative RMS one alone."""
     if gate.elem_k is None or base.worst_err is None:
         return ""
-    floor, floor_text = rule_floor(cmp, gate.elem_floor, gate)
+    floor, floor_text = rule_floor(cmp, gate.elem_floor, gate, element=True)
     bound = gate.elem_k * base.worst_err + floor
     if cmp.worst_err <= bound:
         return ""
@@ -333,5 +389,6 @@ def tables_changed(since: JudgeState | None = None) -> str:
     return ""
 
 
-_VERDICTS = ("judge", "judge_speed", "gate_for", "baseline_gate_for", "errors_against", "larger_errors", "lookup")
+_VERDICTS = ("judge", "_bias_failure", "lean_test", "judge_speed", "gate_for", "baseline_gate_for", "errors_against",
+             "larger_errors", "lookup")
 _BUILT = JudgeState(DIGEST, tuple(globals().get(name) for name in (*TABLES, *_VERDICTS)))

@@ -192,6 +192,42 @@ TRACE_LOGITS = {
     "free": ((4.63e-6, "trace/free-P7-D5 step2.logits"), (8.19e-2, "trace/free-P7-D5 step1.logits")),
 }
 TRACE_MODES = tuple(TRACE_LOGITS)
+# model ('*': the set's shared rows, measured on the tiny model) -> precision -> trace mode -> (the largest error of
+# a correct implementation over its precision's baseline on any gated tensor of the trace, the same of the worst
+# element, where; None where the blocks' multiple held on every model), or None where both held. Measured on the
+# trace built with many synthetic models (tools/trace_spread.py; a seed whose golden sits on a near-tie is
+# skipped). The committed model is one draw of this spread: the old k = 2.5 over torch-bf16 passed it and failed a
+# correct bf16 recipe on 15 of 58 tiny models layer by layer (a KDA decode output 5.5x torch-bf16's on one
+# 36-element tensor: the baseline's error on one small tensor is a noisy draw) and on 9 in the free run. k3geom's
+# bigger tensors spread less. One multiple per model and mode for every block: a block given a looser k than the
+# blocks after it would let its own bug be blamed on them.
+# First set from weight seeds 0..59 (tiny, 58 models) and 0..19 (k3geom), then checked on held-out models: bf16
+# seeds 60..199 (128 tiny models) and 20..49 (k3geom), fp32 60..159 (91 tiny models) and 20..39 (k3geom). Every row
+# held on every held-out model but two, which are now set from all the models measured: tiny's fp32 layerwise
+# per-element rule (3 tensors of 3 models at 9.0x-10.8x numpy32's worst element against 8x) and k3geom's bf16
+# layerwise rows (2 models: 2.92x in rel RMS, 4.02x on the worst element, against 2.5 and 3.6).
+TRACE_SPREAD_HOW = ("python tools/trace_spread.py --backends BACKENDS --seeds 0:60 --trace TRACE, held out: --seeds "
+                    "60:200 (bf16) / 60:160 (fp32), k3geom 0:20 and 20:50 / 20:40; fp32: torch, cuda-emu and the "
+                    "two fp32 recipes against numpy32, bf16: the two bf16 recipes against torch-bf16")
+Spread = tuple[float | None, float | None, str]
+TRACE_SPREAD: dict[str, dict[str, dict[str, Spread | None]]] = {
+    "*": {
+        # layerwise, the blocks' rel RMS rule (k = 4 + 1e-6) passed every tensor of the 149 models on all four fp32
+        # backends; their per-element rule (8x + 1e-6) failed 3 held-out tensors
+        "fp32": {"layerwise": (None, 10.8, "element: step0.layer04.3_a of weight seed 129, torch"),
+                 "free": (4.99, 4.80, "step0.logits of weight seed 45, recipe:fp32-wide; element: torch, seed 41")},
+        "bf16": {"layerwise": (5.47, 11.56, "step2.layer03.3_a of weight seed 29; element: step4.layer03.7_cache, "
+                                            "seed 43; recipe:bf16-f32-math"),
+                 "free": (4.07, 4.42, "step1.logits of weight seed 50, recipe:bf16-f32-math")},
+    },
+    "k3geom": {
+        # the blocks' rule passed every tensor of both k3geom traces over 40 models on all four fp32 backends
+        "fp32": {"layerwise": None, "free": None},
+        "bf16": {"layerwise": (2.92, 4.02, "step0.layer02.4_m of weight seed 45; element: step1.layer04.4_m, "
+                                           "seed 43; recipe:bf16-f32-math"),
+                 "free": (3.17, 3.10, "step0.logits of weight seed 6, recipe:bf16-f32-math")},
+    },
+}
 
 
 def trace_blocks(mode: str) -> dict:
@@ -204,7 +240,8 @@ def trace_blocks(mode: str) -> dict:
 # shape set -> model config ('*': every model of that set without rows of its own) -> trace mode -> (block ->
 # measurements, which traces were measured). Only tiny has trace cases (conformance.cases.traces.TraceKind.TABLE);
 # a trace added to another set is judged by the rule for a set with no measurement until measured and written here.
-TRACES = {"tiny": {"*": {mode: (trace_blocks(mode), TINY_TRACES_WHERE) for mode in TRACE_MODES}}}
+TRACES = {"tiny": {model: {mode: (trace_blocks(mode), TINY_TRACES_WHERE) for mode in TRACE_MODES}
+                   for model in TRACE_SPREAD}}
 
 # The per-element rule (gates.judge): the largest ratio of a built-in backend's worst element error (max |out - ref|
 # over RMS(ref)) to the same-precision baseline's on the same gated tensor, over every tiny case and trace with

@@ -122,7 +122,7 @@ def trace_case(job: dict, case: str, rank: int, comm, pool: WorkerPool | None = 
     if job["mode"][case] == "layerwise":
         feed = GoldenFeed(kda_slices(inter, plan, rank, cfg.kda_head_dim), p)
     cores, calls, fallbacks = rank_cores(backend)
-    tap = RouterTap(cores.moe_route, inter, forcing_budgets(p).get("router", 0.0))
+    tap = RouterTap(cores.moe_route, inter, forcing_budgets(p, job["mode"][case]).get("router", 0.0))
     try:
         out = Stepper(model, cores, feed, tap, prompt_len=job["prompt"][case]).run(tokens)
     except CollectiveError:

@@ -218,7 +218,7 @@ def rank_evaluation(golden, outs: dict, backend: TpBackend, rank_notes: list[str
         notes.append(f"rank {r}: routed-expert bytes handed out by its memory-mapped store: {int(row[2 * n + 1]):,}")
     forced = int(info_rows[:, 2 * n].sum()) if len(info_rows) else 0
     info = RunInfo(teacher_forced={"router": forced, "argmax": 0})
-    judge_tokens(golden, outs, forcing_budgets(backend.precision).get("argmax", 0.0), info)
+    judge_tokens(golden, outs, forcing_budgets(backend.precision, golden.kwargs["mode"]).get("argmax", 0.0), info)
     check_forced(backend.precision, info.teacher_forced)
     notes += forced_notes(backend.precision, info.teacher_forced)
     info.kernels_ran = sorted(ran)

