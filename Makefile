@@ -24,8 +24,8 @@ run: setup
 
 # fla's real KDA kernels (under Triton's interpreter without a GPU) on the KDA cores and the model traces, in bf16.
 # `k3conf run` exits 1 on a failed gate; the verdict then passes only when the failed cases are exactly fla's
-# documented findings (conformance.backends.fla.EXPECTED_FINDINGS). ~70 s of CPU on tiny. Its fresh inputs are one
-# fixed draw, so the verdict is reproducible: on some draws chunk_kda's bf16 snapshots put one element of kda_prefill
+# documented findings (conformance.backends.fla.EXPECTED_FINDINGS). ~80 s of CPU on tiny. Its fresh inputs and fuzz
+# draws are one fixed draw, so the verdict is reproducible: on some draws chunk_kda's bf16 snapshots put one element of kda_prefill
 # past the per-element rule (seed 1302569823: kda_prefill/B2-T63-H2-K16, 3.97x torch-bf16's worst element), a
 # finding of the kernel that a random seed would turn into a CI failure once in a while.
 FLA_REPORT ?= reports/fla

@@ -437,13 +437,15 @@ def _result(case: str, status: str, backend: str = "fla") -> dict:
 
 
 @pytest.mark.parametrize("results, expect", [
-    pytest.param([_result("kda_decode/B2-H3-K16", "pass"), _result("trace/free-P7-D5", "fail")], [],
+    pytest.param([_result("kda_decode/B2-H3-K16", "pass"), _result("fuzz/kda_prefill", "fail")], [],
                  id="as-documented"),
-    pytest.param([_result("kda_prefill/B1-T1-H1-K16", "fail"), _result("trace/free-P7-D5", "fail")],
+    pytest.param([_result("kda_prefill/B1-T1-H1-K16", "fail"), _result("fuzz/kda_prefill", "fail")],
                  ["kda_prefill/B1-T1-H1-K16: fail and not an expected finding"], id="new-failure"),
+    pytest.param([_result("kda_decode/B2-H3-K16", "pass"), _result("fuzz/kda_decode", "fail")],
+                 ["fuzz/kda_decode: fail and not an expected finding"], id="new-fuzz-finding"),
     pytest.param([_result("kda_decode/B2-H3-K16", "error")], ["kda_decode/B2-H3-K16: error and not an expected"],
                  id="new-error"),
-    pytest.param([_result("trace/free-P7-D5", "pass")], ["trace/free-P7-D5: passes now, but is listed"],
+    pytest.param([_result("fuzz/kda_prefill", "pass")], ["fuzz/kda_prefill: passes now, but is listed"],
                  id="fixed-finding"),
     pytest.param([_result("kda_decode_pool/B3-S5-H2-K16-vk-pad1", "n/a"), _result("x/y", "fail", "torch")],
                  ["no case was judged on fla"], id="nothing-judged"),
@@ -458,18 +460,33 @@ def test_ci_passes_fla_only_on_its_documented_findings(results, expect):
 def test_every_expected_finding_has_a_reason_and_names_tiny_cases():
     from conformance.cases.catalog import all_cases  # noqa: PLC0415 -- the catalog builds every case table
 
-    names = [c.name for c in all_cases("tiny")]
+    names = [c.name for c in all_cases("tiny")] + [f"fuzz/{core}" for core in fla.KERNEL_CORES]
     for pattern, why in fla.EXPECTED_FINDINGS.items():
         assert len(why) > 40, pattern
         assert fla.expected_finding(pattern) == why
-        assert any(fnmatch.fnmatchcase(n, pattern) for n in names), f"{pattern} matches no tiny case"
+        assert any(fnmatch.fnmatchcase(n, pattern) for n in names), f"{pattern} matches no tiny case or fla core"
+
+
+def test_a_runs_fuzz_draws_count_as_one_cell_per_core():
+    fuzz = {"results": [{"block": "kda_prefill", "backend": "fla", "status": "fail"},
+                        {"block": "kda_prefill", "backend": "fla", "status": "pass"},
+                        {"block": "kda_decode", "backend": "fla", "status": "pass"},
+                        {"block": "kda_decode", "backend": "torch", "status": "fail"}],
+            "findings": ["fla: kda_prefill: smallest failing: B=1 T=8 H=1 (region tails, ...): ...",
+                         "torch: kda_decode: smallest failing: B=1 ..."]}
+    cells = {c["case"]: c["status"] for c in fla.fuzz_cells(fuzz)}
+    assert cells == {"fuzz/kda_prefill": "fail", "fuzz/kda_decode": "pass"}
+    assert fla.fuzz_cells(None) == []
 
 
 def test_the_verdict_command_reads_a_report(tmp_path):
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"results": [_result("kda_decode/B2-H3-K16", "pass"),
-                                              _result("trace/free-P7-D5", "fail")]}))
+    fuzz = {"results": [{"block": "kda_prefill", "backend": "fla", "status": "fail"}],
+            "findings": ["fla: kda_prefill: smallest failing: B=1 T=8 H=1 K=8 V=8 (region tails, ...): ..."]}
+    report.write_text(json.dumps({"results": [_result("kda_decode/B2-H3-K16", "pass")], "fuzz": fuzz}))
     assert fla.main([str(report)]) == 0
+    report.write_text(json.dumps({"results": [_result("kda_decode/B2-H3-K16", "pass")]}))
+    assert fla.main([str(report)]) == 0      # a run without fuzz draws judges its cases alone
     report.write_text(json.dumps({"results": [_result("kda_decode/B2-H3-K16", "fail")]}))
     assert fla.main([str(report)]) == 1
     assert fla.main([str(tmp_path / "missing.json")]) == 2
