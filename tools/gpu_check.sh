@@ -7,7 +7,8 @@
 # 1. installs the wheels in .whl/ (built beforehand by tools/build_pycuda_wheel.sh) into /tmp/site when pycuda is
 #    not importable;
 # 2. pytest -m gpu (every kernel vs its float64 k3ref core, outputs poisoned with NaN);
-# 3. k3conf run --backend cuda (the conformance runner on the kernels);
+# 3. k3conf run --backend cuda (the conformance runner on the kernels, with one fuzz draw of every region), then
+#    k3conf fuzz --backend cuda for 60 s more (heads past 64, batches past 32, K3's head_dim and kv_rank, split-K);
 # 4. tools/gpu_bench.py (L2 flushed before every event pair, GB/s, ratio to a copy kernel timed in the same run,
 #    torch eager speedup). A target that a kernel's current version is known not to reach (its header says why;
 #    EXPECTED_MISSES in gpu_bench.py) is listed as XMISS and does not fail the check; any other miss does.
@@ -78,6 +79,8 @@ fi
 step pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests --tb=short -ra
 
 step k3conf_cuda 90 $PY -m conformance run --backend cuda
+
+step k3conf_fuzz 120 $PY -m conformance fuzz --backend cuda --budget 60 --report "$LOG_DIR/fuzz"
 
 step gpu_bench 200 $PY tools/gpu_bench.py --out "$LOG_DIR"
 
