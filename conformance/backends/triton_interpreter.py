@@ -77,10 +77,19 @@ def refusal() -> str | None:
     if fla is None or triton is None:
         missing = [d for d, v in (("fla-core", fla), ("triton", triton)) if v is None]
         return f"{' and '.join(missing)} not installed: {fix}"
-    lo, hi = MEASURED_TRITON
     if fla not in MEASURED_FLA:
         return (f"fla-core {fla} is not a version the interpreter bridges were measured on "
                 f"({', '.join(MEASURED_FLA)}): {fix}")
+    return triton_refusal()
+
+
+def triton_refusal() -> str | None:
+    """None when the installed triton is within the versions the bridges were measured on; else why not."""
+    fix = "pip install --no-deps -r requirements-fla.txt"
+    triton = _version("triton")
+    if triton is None:
+        return f"triton not installed: {fix}"
+    lo, hi = MEASURED_TRITON
     if not lo <= _release(triton)[:3] <= hi:
         return (f"triton {triton} is outside the versions the interpreter bridges were measured on "
                 f"({'.'.join(map(str, lo))} to {'.'.join(map(str, hi))}): {fix}")
