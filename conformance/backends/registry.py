@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from conformance.backends import external
 from conformance.backends import fla as fla_backend
+from conformance.backends import sglang as sglang_backend
 from conformance.backends.builtin import (
     CudaBackend,
     CudaEmuBackend,
@@ -76,6 +77,10 @@ ON_REQUEST: dict[str, Factory] = {
     # fla's real KDA kernels (under Triton's interpreter without a GPU): tiny's free-running trace fails on them
     # as on torch-model-bf16 (conformance.backends.fla.EXPECTED_FINDINGS); `make fla` runs them and checks that
     "fla": fla_backend.make_backend,
+    # the serving engines' K3 code as their wheels ship it (docs/engines.md): SGLang's two Triton AttnRes paths and
+    # its eager reference; `make engines` runs them and checks their documented findings
+    # (conformance.backends.engines)
+    **{name: sglang_backend.factory(name) for name in sglang_backend.NAMES},
 }
 _CACHE: dict[str, BackendBase] = {}   # name -> backend, built once per process
 
