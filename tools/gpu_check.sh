@@ -89,6 +89,17 @@ if $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/nu
     else
         echo "!! fla-core is not installed: fla's kernels were not judged on the GPU (pip install -r requirements-fla.txt)"
     fi
+    # SGLang's Triton AttnRes paths compiled for this GPU (docs/engines.md): the single kernel on tiny, both on K3's
+    # width (the two-kernel pipeline takes H in chunks of 1024 only)
+    if $PY -c "import importlib.metadata as m; m.version('sglang')" 2>/dev/null; then
+        step sglang_gpu 150 $PY -m conformance run --backend sglang-hip --cases 'attnres_mix/*' 'trace/*' \
+            --report "$LOG_DIR/sglang"
+        step sglang_gpu_k3 200 bash -c "$PY -m conformance regen --shapes k3 --cases 'attnres_mix/*' && $PY -m \
+            conformance run --shapes k3 --backend sglang --backend sglang-hip --cases 'attnres_mix/*' \
+            --report $LOG_DIR/sglang_k3"
+    else
+        echo "!! sglang is not installed: its kernels were not judged on the GPU (pip install --no-deps -r requirements-engines.txt)"
+    fi
 else
     echo "!! torch does not see a CUDA GPU: the device-tensor steps did not run"
 fi
