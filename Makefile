@@ -43,8 +43,8 @@ fla: setup
 # inputs are one fixed draw, as in `make fla`, so the verdict is reproducible.
 ENGINES_REPORT ?= reports/engines
 ENGINES_FRESH_SEED ?= 20261204
-ENGINES_TINY := --backend sglang-hip --backend sglang-ref
-ENGINES_K3 := --backend sglang --backend sglang-hip --backend sglang-ref
+ENGINES_TINY := --backend sglang-hip --backend sglang-ref --backend vllm --backend vllm-rocm
+ENGINES_K3 := --backend sglang $(ENGINES_TINY)
 engines: setup
 	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run $(ENGINES_TINY) --cases 'attnres_mix/*' 'trace/*' \
 		--no-timing --report $(ENGINES_REPORT)/tiny || [ $$? -eq 1 ]

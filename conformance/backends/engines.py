@@ -1,8 +1,8 @@
 """The serving engines' backends together: their documented findings, and the check `make engines` runs.
 
-Each engine adapter module (conformance.backends.sglang) keeps EXPECTED_FINDINGS: backend -> case glob -> why that
-backend fails the case, as measured (docs/engines.md). `python -m conformance.backends.engines REPORT.json [...]`
-reads one or more `k3conf run` reports and passes only when, for every engine backend in them, the failed cases are
+Each engine adapter module (conformance.backends.sglang, conformance.backends.vllm) keeps EXPECTED_FINDINGS:
+backend -> case glob -> why that backend fails the case, as measured (docs/engines.md).
+`python -m conformance.backends.engines REPORT.json [...]` reads one or more `k3conf run` reports and passes only when, for every engine backend in them, the failed cases are
 exactly its documented findings: a new failure fails, a listed case that now passes asks to be struck from the list,
 and a backend judged on nothing in all the reports fails. The findings are data: when a gate or a kernel changes,
 the table changes with it, and the check says which entry.
@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from conformance.backends import sglang
+from conformance.backends import sglang, vllm
 
-EXPECTED_FINDINGS: dict[str, dict[str, str]] = {**sglang.EXPECTED_FINDINGS}
+EXPECTED_FINDINGS: dict[str, dict[str, str]] = {**sglang.EXPECTED_FINDINGS, **vllm.EXPECTED_FINDINGS}
 BACKENDS = tuple(EXPECTED_FINDINGS)
 JUDGED = ("pass", "fail", "error")
 

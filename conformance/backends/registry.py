@@ -29,6 +29,7 @@ from collections.abc import Callable
 from conformance.backends import external
 from conformance.backends import fla as fla_backend
 from conformance.backends import sglang as sglang_backend
+from conformance.backends import vllm as vllm_backend
 from conformance.backends.builtin import (
     CudaBackend,
     CudaEmuBackend,
@@ -78,9 +79,10 @@ ON_REQUEST: dict[str, Factory] = {
     # as on torch-model-bf16 (conformance.backends.fla.EXPECTED_FINDINGS); `make fla` runs them and checks that
     "fla": fla_backend.make_backend,
     # the serving engines' K3 code as their wheels ship it (docs/engines.md): SGLang's two Triton AttnRes paths and
-    # its eager reference; `make engines` runs them and checks their documented findings
-    # (conformance.backends.engines)
+    # its eager reference, and vLLM's Triton AttnRes kernels; `make engines` runs them and checks their documented
+    # findings (conformance.backends.engines)
     **{name: sglang_backend.factory(name) for name in sglang_backend.NAMES},
+    **{name: vllm_backend.factory(name) for name in vllm_backend.NAMES},
 }
 _CACHE: dict[str, BackendBase] = {}   # name -> backend, built once per process
 

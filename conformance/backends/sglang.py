@@ -159,7 +159,7 @@ def mix_call(sources, proj_w, norm_w, mix: float, eps: float, *, dtype, device: 
     the S - 1 completed blocks token-major, the prefix is the last source. mix != 1 is an UnsupportedShape."""
     import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
-    require_supported(float(mix) == 1.0, f"SGLang's AttnRes always mixes fully (no blend with the skip); mix={mix}")
+    require_supported(float(mix) == 1.0, f"the engines' AttnRes always mixes fully (no blend with the skip); mix={mix}")
     V = np.asarray(sources)
     if V.ndim < 2:
         raise ValueError(f"sources: expected shape [S, ..., D], found {list(V.shape)}")
