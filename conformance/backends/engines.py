@@ -2,10 +2,11 @@
 
 Each engine adapter module (conformance.backends.sglang, conformance.backends.vllm) keeps EXPECTED_FINDINGS:
 backend -> case glob -> why that backend fails the case, as measured (docs/engines.md).
-`python -m conformance.backends.engines REPORT.json [...]` reads one or more `k3conf run` reports and passes only when, for every engine backend in them, the failed cases are
-exactly its documented findings: a new failure fails, a listed case that now passes asks to be struck from the list,
-and a backend judged on nothing in all the reports fails. The findings are data: when a gate or a kernel changes,
-the table changes with it, and the check says which entry.
+`python -m conformance.backends.engines REPORT.json [...]` reads one or more `k3conf run` reports and passes only
+when, for every engine backend in them, the failed cases are exactly its documented findings: a new failure fails, a
+listed case that now passes asks to be struck from the list, and a backend judged on nothing in all the reports
+fails. The findings are data: when a gate or a kernel changes, the table changes with it, and the check says which
+entry.
 """
 from __future__ import annotations
 
