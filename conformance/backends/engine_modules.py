@@ -24,6 +24,7 @@ engine's reference as it runs on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import importlib.util
 import sys
@@ -147,3 +148,42 @@ def load(module: EngineModule) -> ModuleType:
         sys.modules.pop(module.alias, None)
         raise
     return loaded
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePackage:
+    """A package of an engine wheel whose modules import each other by their absolute names (a vendored fla):
+    the package itself is stood in by a bare package over the wheel's folder (its __init__ and its parents' never
+    run), its modules execute under their own names, and the engine imports outside it are stood in (`stubs`)."""
+
+    dist: str
+    name: str                                       # "sglang.kernels.ops.attention.fla"
+    stubs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self.name.replace(".", "/")
+
+
+def load_from_package(package: EnginePackage, module: str) -> ModuleType:
+    """`package.name + "." + module` executed from the installed wheel with the package and its stubs in place,
+    and every module of the package it imports (kept in sys.modules under their names: a Triton kernel's source is
+    read from its module when it first runs). The stubs and the bare package are removed again afterwards."""
+    name = f"{package.name}.{module}"
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = module_file(package.dist, f"{package.path}/{module}.py").parent
+    bare = ModuleType(package.name, f"k3conf: {package.dist}'s {package.name}, its __init__ not run")
+    bare.__path__ = [str(folder)]
+    with stubbed(package.stubs):
+        saved = sys.modules.get(package.name)
+        sys.modules[package.name] = bare
+        try:
+            loaded = importlib.import_module(name)
+        finally:
+            if saved is None:
+                sys.modules.pop(package.name, None)
+            else:
+                sys.modules[package.name] = saved
+    return loaded
+

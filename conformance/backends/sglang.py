@@ -37,12 +37,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from conformance.backends import engine_modules, triton_interpreter
+from conformance.backends import engine_modules, sglang_kda, triton_engine_bridges, triton_interpreter
 from conformance.backends.engine_modules import EngineModule, StubReplicatedLinear, StubRMSNorm
 from conformance.backends.external import Backend
 from k3ref.cores import Cores, require_supported
@@ -74,7 +75,14 @@ KNIFE_EDGE_ROUTE = (
     "step-1 logits err {logits} > 0.205 (2.5 x torch-bf16's worst step); torch-model-bf16 and fla fail the same "
     "route for the same reason")
 EXPECTED_FINDINGS: dict[str, dict[str, str]] = {
-    "sglang": {},
+    "sglang": {
+        "kda_prefill_varlen/N1-T17-S2-H2-K16-vk-nolb": (
+            "chunk_kda with Kimi Linear's unbounded gate (lower_bound None; K3 bounds it at -5): head 0 decays by up "
+            "to 167 per token, 2838 over the 17 tokens, and without the safe gate the chunked form factors "
+            "exp(g_i - g_j) through exp(g_i) and exp(-g_j), which fp32 cannot hold; head 0's o errs 1.8 (rel RMS, "
+            "459 x torch-bf16) and the state 26 x. K3's bounded gate takes the safe path and passes"),
+        "trace/free-P7-D5": KNIFE_EDGE_ROUTE.format(f6="9.3", logits="0.275"),
+    },
     "sglang-hip": {
         "trace/free-P7-D5": KNIFE_EDGE_ROUTE.format(f6="9.3", logits="0.287"),
     },
@@ -119,15 +127,33 @@ def refusal(triton: bool) -> str | None:
     return None
 
 
+# SGLang's vendored fla builds its KDA prefill on tl.make_block_ptr, which Triton 3.9's interpreter no longer runs
+# ("Block pointers have been removed in favor of the tensor descriptor API"); 3.8.0 runs it (requirements-fla.txt)
+KDA_TRITON_BELOW = (3, 9)
+
+
+def kda_refusal() -> str | None:
+    """None when SGLang's chunk_kda can run here: refusal(triton=True) and, without a GPU, a Triton below 3.9."""
+    why = refusal(triton=True)
+    if why or _cuda():
+        return why
+    version = engine_modules.installed_version("triton") or "?"
+    if triton_interpreter.release(version)[:2] >= KDA_TRITON_BELOW:
+        return (f"triton {version}: SGLang's chunk_kda uses tl.make_block_ptr, which Triton's interpreter runs only "
+                "below 3.9: pip install --no-deps -r requirements-fla.txt (triton 3.8.0)")
+    return None
+
+
 def importlib_missing(name: str) -> bool:
     """True when the top-level package `name` cannot be found (without importing it)."""
     return importlib.util.find_spec(name) is None
 
 
-def available_for(triton: bool) -> Callable[[], tuple[bool, str]]:
-    """The available() of a backend that runs SGLang's Triton kernels (triton=True) or only its torch code."""
+def available_for(triton: bool, kda: bool = False) -> Callable[[], tuple[bool, str]]:
+    """The available() of a backend that runs SGLang's Triton kernels (triton=True; kda: its chunk_kda too) or only
+    its torch code."""
     def available() -> tuple[bool, str]:
-        why = refusal(triton)
+        why = kda_refusal() if kda else refusal(triton)
         if why:
             return False, why
         version = engine_modules.installed_version(DIST)
@@ -273,6 +299,13 @@ def make_cores(base: Cores, name: str) -> Cores:
     if name == "sglang":
         core = mix_core(two_kernel_run(attn_residual), dtype=torch.bfloat16, device=device,
                         accepts=two_kernel_accepts)
+        kda = sglang_kda.load_kda()
+        if device == "cpu":
+            fork = [m for n, m in list(sys.modules.items()) if n.startswith(sglang_kda.PACKAGE_NAME + ".")
+                    and m is not None]
+            triton_engine_bridges.engine_bridges(fork)
+        varlen = sglang_kda.varlen_core(kda.chunk_kda, dtype=torch.bfloat16, device=device)
+        return base.replace(attnres_mix=core, kda_prefill_varlen=varlen)
     elif name == "sglang-hip":
         core = mix_core(single_kernel_run(attn_residual, hip), dtype=torch.bfloat16, device=device,
                         accepts=single_kernel_accepts(hip.supports_attn_res_hip))
@@ -297,7 +330,9 @@ class EngineBackend(Backend):
 
 
 NAMES = ("sglang", "sglang-hip", "sglang-ref")
-RAN = {"sglang": "attnres_mix ran sglang's _score_kernel + _combine_kernel (attn_residual._mix_fused)",
+KERNELS_OF = {"sglang": KERNEL_CORES | {"kda_prefill_varlen"}, "sglang-hip": KERNEL_CORES, "sglang-ref": KERNEL_CORES}
+RAN = {"sglang": "attnres_mix ran sglang's _score_kernel + _combine_kernel (attn_residual._mix_fused), "
+                 "kda_prefill_varlen sglang's chunk_kda (its vendored fla)",
        "sglang-hip": "attnres_mix ran sglang's attn_res_hip (one Triton kernel, output norm off)",
        "sglang-ref": "attnres_mix ran sglang's aggregate_stream_torch (eager torch, bf16)"}
 
@@ -309,8 +344,9 @@ def make_backend(name: str) -> EngineBackend:
     triton = name != "sglang-ref"
     device = "cuda" if triton and not importlib_missing("torch") and _cuda() else "cpu"
     ran = RAN[name] + ("" if not triton or device == "cuda" else f", {TRITON_INTERPRETED}")
-    return EngineBackend(name, "bf16", lambda base: make_cores(base, name), is_available=available_for(triton),
-                         device=device, known_cores=KERNEL_CORES, ran=ran)
+    return EngineBackend(name, "bf16", lambda base: make_cores(base, name),
+                         is_available=available_for(triton, kda=name == "sglang"),
+                         device=device, known_cores=KERNELS_OF[name], ran=ran)
 
 
 def factory(name: str) -> Callable[[], EngineBackend]:

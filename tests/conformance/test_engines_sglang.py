@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backends import engine_modules, engines, registry, sglang
+from conformance.backends import engine_modules, engines, registry, sglang, sglang_kda, triton_interpreter
 from conformance.backends.engine_modules import EngineModule, EngineModuleError, StubReplicatedLinear, StubRMSNorm
 from conformance.cases.core_data import BUILDERS
+from conformance.cases.engine_kda import SPECS
 from conformance.session import strict
 from k3ref.attnres import attnres_mix
-from k3ref.cores import UnsupportedShape
+from k3ref.cores import UnsupportedShape, reference_cores
 from k3ref.ops import rmsnorm
 from tests.support.tolerances import rel_rms, tol
 
@@ -188,6 +189,7 @@ import torch
 from conformance.backends import sglang
 from conformance.backends.engine_modules import StubRMSNorm
 from conformance.cases.core_data import BUILDERS
+from conformance.cases.engine_kda import SPECS
 from k3ref.attnres import attnres_mix
 from k3ref.ops import rmsnorm
 
@@ -223,6 +225,206 @@ def test_sglang_triton_paths_under_the_interpreter(tmp_path):
     assert errors.pop("interpreted") is True
     for path, err in errors.items():
         assert err < tol("bf16_mix_stand_in"), (path, err)
+
+
+# ------------------------------------------------------------------------------------------------ KDA prefill
+
+
+def _chunk_kda_stand_in(slot_of=None):
+    """A stand-in for SGLang's chunk_kda with its keyword contract: each sequence of cu_seqlens runs k3ref's KDA
+    prefill from pool[initial_state_indices[n]] ([H, V, K], V first) and writes its final state back in place.
+    slot_of(n, indices) picks the slot (a planted mapping bug passes another one)."""
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    ref = reference_cores()
+
+    def chunk_kda(q, k, v, g, beta, scale, initial_state, initial_state_indices, use_qk_l2norm_in_kernel,
+                  cu_seqlens, A_log, dt_bias, lower_bound, beta_is_raw):
+        assert use_qk_l2norm_in_kernel and beta_is_raw and q.shape[0] == 1
+        pool, cu = initial_state, cu_seqlens.tolist()
+        o = torch.zeros(v.shape, dtype=torch.float64)
+        for n in range(len(cu) - 1):
+            slot = int(initial_state_indices[n]) if slot_of is None else slot_of(n, initial_state_indices)
+            t = slice(cu[n], cu[n + 1])
+            args = [a[:, t].double().numpy() for a in (q, k, v, g, beta)]
+            state = pool[slot].transpose(-1, -2).double().numpy()[None]
+            o_n, s_n = ref.kda_prefill(*args, A_log.double().numpy(), dt_bias.double().numpy(), state,
+                                       lower_bound=lower_bound, scale=scale)
+            o[:, t] = torch.from_numpy(np.asarray(o_n))
+            pool[slot] = torch.from_numpy(np.asarray(s_n)[0]).transpose(-1, -2).to(pool.dtype)
+        return o
+    return chunk_kda
+
+
+def _varlen_inputs(layout: str):
+    inputs, kwargs = SPECS["kda_prefill_varlen"].make(np.random.default_rng(7), lens=(5, 0, 3), S=5, H=2, K=8, V=4,
+                                                      state_layout=layout)
+    return inputs, kwargs
+
+
+@pytest.mark.parametrize("layout", [pytest.param("kv", id="kv"), pytest.param("vk", id="vk")])
+def test_kda_varlen_mapping_through_chunk_kda_contract(layout):
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    inputs, kwargs = _varlen_inputs(layout)
+    core = sglang_kda.varlen_core(_chunk_kda_stand_in(), dtype=torch.float32)
+    o, pool = core(**inputs, **kwargs)
+    ro, rpool = reference_cores().kda_prefill_varlen(**inputs, **kwargs)
+    assert rel_rms(o, ro) < tol("fp32_mix_mapping")
+    live = np.asarray(inputs["slots"])
+    assert rel_rms(pool[live], rpool[live]) < tol("fp32_mix_mapping")
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), live)
+    np.testing.assert_array_equal(pool[untouched], np.asarray(inputs["state_pool"], np.float32)[untouched])
+
+
+def test_kda_varlen_mapping_that_ignores_the_slots_fails():
+    """The test above can fail: a chunk_kda that takes sequence n's state from slot n errs far over it."""
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    inputs, kwargs = _varlen_inputs("vk")
+    core = sglang_kda.varlen_core(_chunk_kda_stand_in(slot_of=lambda n, indices: n), dtype=torch.float32)
+    o, _ = core(**inputs, **kwargs)
+    ro, _ = reference_cores().kda_prefill_varlen(**inputs, **kwargs)
+    assert not rel_rms(o, ro) < 100 * tol("fp32_mix_mapping")
+
+
+def test_the_fla_fork_stubs_answer_for_no_gpu():
+    pytest.importorskip("triton", reason="the stubs re-export triton.next_power_of_2")
+    stubs = sglang_kda.stubs()
+    assert set(stubs) == {"sglang.srt.utils.common", "sglang.srt.utils", "sglang.kernels.jit.utils",
+                          "sglang.srt.batch_invariant_ops", "sglang.srt.model_executor.cuda_graph_config"}
+    utils = stubs["sglang.srt.utils"]
+    assert utils["cdiv"](17, 8) == 3 and utils["next_power_of_2"](17) == 32
+    assert not any(f() for f in (utils["is_cpu"], utils["is_npu"], utils["cpu_has_amx_support"]))
+    assert stubs["sglang.kernels.jit.utils"]["is_arch_support_pdl"]() is False
+    assert stubs["sglang.srt.batch_invariant_ops"]["is_batch_invariant_mode_enabled"]() is False
+    assert len(stubs["sglang.srt.utils.common"]["torch_release"]) == 2
+
+
+KDA_SCRIPT = """
+import json, warnings
+import numpy as np
+warnings.simplefilter("ignore")
+from conformance.backends import sglang
+from conformance.cases.engine_kda import SPECS
+from k3ref.cores import reference_cores
+
+cores = sglang.make_cores(reference_cores(), "sglang")
+inputs, kw = SPECS["kda_prefill_varlen"].make(np.random.default_rng(3), lens=(70, 9), S=3, H=2, K=16, V=16,
+                                              state_layout="vk")
+o, pool = cores.kda_prefill_varlen(**inputs, **kw)
+ro, rpool = reference_cores().kda_prefill_varlen(**inputs, **kw)
+live = np.asarray(inputs["slots"])
+rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+print(json.dumps({"o": rel(o, ro), "state": rel(pool[live], rpool[live])}))
+"""
+
+
+def test_sglang_chunk_kda_under_the_interpreter(tmp_path):
+    """SGLang's chunk_kda (two sequences, one over a 64-token chunk) under the interpreter with the bridges agrees
+    with the reference at bf16."""
+    needs(sglang.kda_refusal())
+    script = tmp_path / "sglang_kda.py"
+    script.write_text(textwrap.dedent(KDA_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    for tensor, err in errors.items():
+        assert err < tol("bf16_kda_stand_in"), (tensor, err)
+
+
+# ------------------------------------------------------------------------------------------------ the new bridges
+
+BRIDGES_SCRIPT = """
+import sys, torch, triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from conformance.backends import triton_engine_bridges as ti
+
+exp = tl.exp      # as SGLang's fla fork binds it (op.py)
+
+
+def outcome(fn):
+    try:
+        return f"ok {fn()}"
+    except Exception as e:
+        return f"raised {type(e).__name__}: {e}"
+
+
+@triton.jit
+def scaled(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, tl.load(x + o) * 0.3)          # a bf16 tensor times a Python float
+
+
+@triton.jit
+def aliased(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, exp(tl.load(x + o)))
+
+
+@triton.jit
+def extern(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, 1.0 + libdevice.exp(tl.load(x + o)))
+
+
+x = torch.linspace(-3, 3, 16).to(torch.bfloat16)
+xf = x.float()
+y16, y32 = torch.zeros(16, dtype=torch.bfloat16), torch.zeros(16)
+
+
+def err(out, want):
+    return float((out.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def bf16_run():
+    scaled[(1,)](x, y16, 16)
+    # compiled Triton makes the float a bf16 constant and rounds the product once
+    return err(y16, (xf * torch.tensor(0.3).to(torch.bfloat16).float()).to(torch.bfloat16))
+
+
+def alias_run():
+    aliased[(1,)](xf, y32, 16)
+    return err(y32, xf.exp())
+
+
+def extern_run():
+    extern[(1,)](xf, y32, 16)
+    return err(y32, 1 + xf.exp())
+
+
+for name, run, bridges in (("bf16", bf16_run, (ti.bridge_bf16_constants, ti.bridge_bf16_arithmetic)),
+                           ("alias", alias_run, (lambda: ti.bridge_bound_builtins([sys.modules[__name__]]),)),
+                           ("extern", extern_run, (lambda: ti.bridge_libdevice([sys.modules[__name__]]),))):
+    print(f"{name} without:", outcome(run))
+    for bridge in bridges:
+        bridge()
+    print(f"{name} with:", outcome(run))
+"""
+
+
+@pytest.mark.parametrize("name, without", [
+    pytest.param("bf16", ("no attribute 'get_bf16'",), id="bf16-arithmetic"),
+    pytest.param("alias", ("_semantic",), id="bound-builtins"),
+    pytest.param("extern", ("NoneType",), id="libdevice"),
+])
+def test_engine_bridges_close_their_gaps(tmp_path, name, without):
+    """Each bridge the engines' fla fork needs: the interpreter's failure without it, the right numbers with it."""
+    needs(triton_interpreter.triton_refusal())
+    script = tmp_path / "bridges.py"
+    script.write_text(BRIDGES_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    before, after = lines[f"{name} without"], lines[f"{name} with"]
+    assert before.startswith("raised ") and any(w in before for w in without), before
+    assert after.startswith("ok ") and float(after.removeprefix("ok ")) < 1e-6, after
 
 
 # ------------------------------------------------------------------------------------------------ the findings
@@ -274,7 +476,8 @@ def test_every_engine_backend_is_registered_on_request_with_its_findings():
         assert name in registry.ON_REQUEST and name not in registry.BACKENDS
         assert name in engines.EXPECTED_FINDINGS
         backend = sglang.make_backend(name)
-        assert backend.kernel_cores() == frozenset({"attnres_mix"})     # known without loading sglang
+        assert backend.kernel_cores() == sglang.KERNELS_OF[name]      # known without loading sglang
+        assert "attnres_mix" in backend.kernel_cores()
         assert backend.precision == "bf16"
 
 
