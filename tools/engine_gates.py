@@ -62,14 +62,14 @@ def _torch_bf16() -> Cores:
 # ---------------------------------------------------------------------------------------------- the planted bugs
 
 
-def attnres_scale_2pct(base: Cores) -> Cores:
+def plant_attnres_scale_2pct(base: Cores) -> Cores:
     """The AttnRes mix 2% too large (a scale folded in twice, a wrong normaliser): out * 1.02."""
     def attnres_mix(sources, proj_w, norm_w, mix=1.0, eps=1e-5):
         return bf16(np.asarray(base.attnres_mix(sources, proj_w, norm_w, mix=mix, eps=eps)) * 1.02)
     return base.replace(attnres_mix=attnres_mix)
 
 
-def attnres_bf16_scores(base: Cores) -> Cores:
+def plant_attnres_bf16_scores(base: Cores) -> Cores:
     """The AttnRes scores rounded to bf16 before the softmax (keys normalised and cast to bf16, projected onto the
     bf16 query, the score itself stored in bf16), the rest in fp32: what an eager bf16 layer stack computes."""
     def attnres_mix(sources, proj_w, norm_w, mix=1.0, eps=1e-5):
@@ -85,7 +85,7 @@ def attnres_bf16_scores(base: Cores) -> Cores:
     return base.replace(attnres_mix=attnres_mix)
 
 
-def kda_bf16_state(base: Cores) -> Cores:
+def plant_kda_bf16_state(base: Cores) -> Cores:
     """KDA prefill with the recurrent state stored in bf16 between tokens (an fp32 state pool held in bf16): each
     token is torch-bf16's decode step on the state rounded to bf16."""
     def kda_prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *, lower_bound=-5.0, scale=None):
@@ -99,7 +99,7 @@ def kda_bf16_state(base: Cores) -> Cores:
     return base.replace(kda_prefill=kda_prefill)
 
 
-def kda_last_head_gate(base: Cores) -> Cores:
+def plant_kda_last_head_gate(base: Cores) -> Cores:
     """KDA prefill whose last head takes head 0's A_log (an indexing slip that touches one head of H): its decay
     rate is another head's."""
     def kda_prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, *, lower_bound=-5.0, scale=None):
@@ -122,12 +122,12 @@ ATTNRES_CASES = (("tiny", "attnres_mix/S3-T5-D113"), ("k3", "attnres_mix/S2-T64-
                  ("k3", "attnres_mix/S9-T16-D7168"))
 KDA_CASES = (("tiny", "kda_prefill/B2-T63-H2-K16"), ("k3", "kda_prefill/B2-T64-H96-K128"))
 PLANTED: dict[str, Planted] = {
-    "attnres-scale-2pct": Planted(attnres_scale_2pct, "attnres_mix", ("vllm-attnres", "trtllm-attnres"),
+    "attnres-scale-2pct": Planted(plant_attnres_scale_2pct, "attnres_mix", ("vllm-attnres", "trtllm-attnres"),
                                   ATTNRES_CASES),
-    "attnres-bf16-scores": Planted(attnres_bf16_scores, "attnres_mix", ("vllm-attnres", "trtllm-attnres"),
+    "attnres-bf16-scores": Planted(plant_attnres_bf16_scores, "attnres_mix", ("vllm-attnres", "trtllm-attnres"),
                                    ATTNRES_CASES),
-    "kda-bf16-state": Planted(kda_bf16_state, "kda_prefill", ("vllm-kda",), KDA_CASES),
-    "kda-last-head-gate": Planted(kda_last_head_gate, "kda_prefill", ("vllm-kda",), KDA_CASES),
+    "kda-bf16-state": Planted(plant_kda_bf16_state, "kda_prefill", ("vllm-kda",), KDA_CASES),
+    "kda-last-head-gate": Planted(plant_kda_last_head_gate, "kda_prefill", ("vllm-kda",), KDA_CASES),
 }
 
 
