@@ -9,7 +9,8 @@ cw = score_norm.weight * score_proj.weight (fp32), softmaxed and mixed. Three of
 | `sglang`     | `_mix_fused`: the two Triton kernels `_score_kernel` (one     | Triton under the interpreter (CPU), |
 |              | score per row and token) and `_combine_kernel` (softmax + mix | compiled on a GPU; H a multiple of  |
 |              | per 1024-wide H chunk), its fallback on every GPU without the | 1024 only (SGLang sends other       |
-|              | TMA kernel                                                    | widths to its eager path)           |
+|              | TMA kernel; and its vendored fla's `chunk_kda` as             | widths to its eager path)           |
+|              | `kda_prefill_varlen` (conformance.backends.sglang_kda)        |                                     |
 | `sglang-hip` | `attn_res_hip` (sglang/kernels/ops/attention/attn_res_hip.py):| the same; nvb >= 1 and the register |
 |              | one Triton kernel per token, ROCm's path, output norm off     | tile within its budget              |
 | `sglang-ref` | `aggregate_stream_torch`: SGLang's eager reference, through   | torch on the CPU, any H             |
