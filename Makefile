@@ -37,7 +37,7 @@ fla: setup
 	$(BIN)/python -m conformance.backends.fla $(FLA_REPORT)/report.json
 
 # The serving engines' K3 code as their wheels ship it (requirements-engines.txt, docs/engines.md), in bf16: on tiny
-# (the per-block AttnRes and varlen KDA prefill cases and the model traces) and at K3's hidden width 7168 (the only
+# (the per-block AttnRes, varlen KDA prefill and KDA pool decode cases and the model traces) and at K3's hidden width 7168 (the only
 # width SGLang's two-kernel Triton pipeline takes; SGLang's chunk_kda at K3's 96 heads takes over 10 minutes under
 # the interpreter, so its K3-geometry check is the k3geom traces' head_dim 128). `k3conf run` exits 1 on a failed gate; the verdict then passes only when each
 # engine backend's failed cases are exactly its documented findings (conformance.backends.engines). The fresh
@@ -47,7 +47,8 @@ ENGINES_FRESH_SEED ?= 20261204
 ENGINES := --backend sglang --backend sglang-hip --backend sglang-ref --backend vllm --backend vllm-rocm
 engines: setup
 	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run $(ENGINES) \
-		--cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'trace/*' --no-timing --report $(ENGINES_REPORT)/tiny \
+		--cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'kda_decode_pool/*' 'trace/*' --no-timing \
+		--report $(ENGINES_REPORT)/tiny \
 		|| [ $$? -eq 1 ]
 	$(BIN)/k3conf regen --shapes k3 --cases 'attnres_mix/*'
 	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run --shapes k3 $(ENGINES) --cases 'attnres_mix/*' \

@@ -7,7 +7,8 @@ tokens with two or more blocks, else 1), the output RMSNorm optionally fused:
 | backend     | engine code judged                                             | runs here as                        |
 |-------------|----------------------------------------------------------------|-------------------------------------|
 | `vllm`      | `vllm/models/kimi_k3/nvidia/ops/attn_res.py`: `attn_res`, its  | Triton under the interpreter (CPU), |
-|             | Triton path (on SM100 with CUDA 13 vLLM calls a native op)     | compiled on a GPU; any H            |
+|             | Triton path (on SM100 with CUDA 13 vLLM calls a native op);    | compiled on a GPU; any H            |
+|             | and its Triton KDA decode as `kda_decode_pool` (vllm_kda)      |                                     |
 | `vllm-rocm` | `vllm/models/kimi_k3/amd/ops/attn_res.py`: `attn_res` (the     | the same                            |
 |             | same kernel with an optional FP8 output, off here)             |                                     |
 
@@ -31,9 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 
-from conformance.backends import engine_modules, sglang, triton_interpreter
+from conformance.backends import engine_modules, sglang, triton_engine_bridges, triton_interpreter, vllm_kda
 from conformance.backends.engine_modules import EngineModule
 from conformance.backends.sglang import EngineBackend, MixCall
 from k3ref.cores import Cores
@@ -42,6 +44,7 @@ DIST = "vllm"
 MEASURED_VLLM = ("0.33.0",)
 NAMES = ("vllm", "vllm-rocm")
 KERNEL_CORES = frozenset({"attnres_mix"})
+KERNELS_OF = {"vllm": KERNEL_CORES | {"kda_decode_pool"}, "vllm-rocm": KERNEL_CORES}
 FILES = {"vllm": "vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm-rocm": "vllm/models/kimi_k3/amd/ops/attn_res.py"}
 
 
@@ -132,15 +135,25 @@ def load_kernel(name: str):
 
 
 def make_cores(base: Cores, name: str) -> Cores:
-    """`base` with attnres_mix on vLLM's Triton kernel of the backend `name`."""
+    """`base` with attnres_mix on vLLM's Triton kernel of the backend `name`, and for `vllm` kda_decode_pool on its
+    Triton KDA decode (conformance.backends.vllm_kda)."""
     import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
     device = "cuda" if sglang._cuda() else "cpu"
     core = sglang.mix_core(kernel_run(load_kernel(name)), dtype=torch.bfloat16, device=device)
-    return base.replace(attnres_mix=core)
+    if name != "vllm":
+        return base.replace(attnres_mix=core)
+    fused_recurrent = vllm_kda.load_fused_recurrent()
+    if device == "cpu":
+        triton_engine_bridges.engine_bridges(
+            m for n, m in list(sys.modules.items())
+            if m is not None and n.startswith((vllm_kda.FLA_PACKAGE + ".", vllm_kda.KDA_PACKAGE + ".")))
+    decode = vllm_kda.decode_pool_core(fused_recurrent.fused_recurrent_kda, dtype=torch.bfloat16, device=device)
+    return base.replace(attnres_mix=core, kda_decode_pool=decode)
 
 
-RAN = {"vllm": "attnres_mix ran vllm's attn_res Triton kernel (kimi_k3/nvidia/ops/attn_res.py)",
+RAN = {"vllm": "attnres_mix ran vllm's attn_res Triton kernel (kimi_k3/nvidia/ops/attn_res.py), kda_decode_pool "
+                "its fused_recurrent_kda (kimi_k3/nvidia/ops/third_party/kda)",
        "vllm-rocm": "attnres_mix ran vllm's attn_res Triton kernel (kimi_k3/amd/ops/attn_res.py)"}
 # backend -> case glob -> why it fails, as measured (docs/engines.md)
 EXPECTED_FINDINGS: dict[str, dict[str, str]] = {
@@ -154,7 +167,7 @@ def make_backend(name: str) -> EngineBackend:
     device = "cuda" if not sglang.importlib_missing("torch") and sglang._cuda() else "cpu"
     ran = RAN[name] + ("" if device == "cuda" else f", {sglang.TRITON_INTERPRETED}")
     return EngineBackend(name, "bf16", lambda base: make_cores(base, name), is_available=available, device=device,
-                         known_cores=KERNEL_CORES, ran=ran)
+                         known_cores=KERNELS_OF[name], ran=ran)
 
 
 def factory(name: str) -> Callable[[], EngineBackend]:

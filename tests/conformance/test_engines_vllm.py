@@ -14,9 +14,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conformance.backends import engines, registry, sglang, vllm
+from conformance.backends import engines, registry, sglang, vllm, vllm_kda
 from conformance.cases.core_data import BUILDERS
+from conformance.cases.engine_kda import SPECS
 from k3ref.attnres import attnres_mix
+from k3ref.cores import UnsupportedShape, reference_cores
 from tests.conformance.test_engines_sglang import needs
 from tests.support.tolerances import rel_rms, tol
 
@@ -74,7 +76,9 @@ import numpy as np
 import torch
 from conformance.backends import sglang, triton_interpreter, vllm
 from conformance.cases.core_data import BUILDERS
+from conformance.cases.engine_kda import SPECS
 from k3ref.attnres import attnres_mix
+from k3ref.cores import UnsupportedShape, reference_cores
 
 out = {}
 for name in vllm.NAMES:
@@ -109,6 +113,121 @@ def test_vllm_triton_kernels_under_the_interpreter(tmp_path):
 def test_vllm_backends_are_registered_on_request_with_their_findings(monkeypatch):
     for name in vllm.NAMES:
         assert name in registry.ON_REQUEST and name in engines.EXPECTED_FINDINGS
-        assert vllm.make_backend(name).kernel_cores() == frozenset({"attnres_mix"})
+        assert vllm.make_backend(name).kernel_cores() == vllm.KERNELS_OF[name]
     monkeypatch.setattr(vllm.engine_modules, "installed_version", lambda dist: "0.31.0")
     assert "0.31.0 is not a version this adapter was measured on" in vllm.refusal()
+
+
+# ------------------------------------------------------------------------------------------------ KDA decode
+
+
+def _fused_recurrent_stand_in(shift: int = 1):
+    """A stand-in for vLLM's fused_recurrent_kda with its contract: one token per sequence of cu_seqlens, the state
+    at pool[ssm_state_indices[n]] ([H, V, K]), an index <= 0 skipped (vLLM's padding slot), the state updated in
+    place; k3ref's decode step for the math. `shift` is the slot offset it assumes (a planted bug passes 0)."""
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    ref = reference_cores()
+
+    def fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                            ssm_state_indices):
+        assert q.stride(1) == k.stride(1) == v.stride(1), "q, k, v share the token stride"
+        o = torch.zeros(v.shape, dtype=torch.float64)
+        for n in range(cu_seqlens.numel() - 1):
+            index = int(ssm_state_indices[n]) + (1 - shift)
+            if index <= 0:
+                continue
+            args = [a[0, n:n + 1].double().numpy() for a in (q, k, v, raw_g, raw_beta)]
+            state = initial_state[index].transpose(-1, -2).double().numpy()[None]
+            o_n, s_n = ref.kda_decode(*args, A_log.double().numpy(), dt_bias.double().numpy(), state,
+                                      lower_bound=lower_bound)
+            o[0, n] = torch.from_numpy(np.asarray(o_n)[0])
+            initial_state[index] = torch.from_numpy(np.asarray(s_n)[0]).transpose(-1, -2).to(initial_state.dtype)
+        return o, initial_state
+    return fused_recurrent_kda
+
+
+def _pool_inputs(layout: str):
+    return SPECS["kda_decode_pool"].make(np.random.default_rng(11), B=4, S=6, H=2, K=8, V=4, padded=(1,),
+                                         state_layout=layout)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("kv", id="kv"), pytest.param("vk", id="vk")])
+def test_kda_decode_pool_mapping_through_vllm_contract(layout):
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    inputs, kwargs = _pool_inputs(layout)
+    o, pool = vllm_kda.decode_pool_core(_fused_recurrent_stand_in(), dtype=torch.float32)(**inputs, **kwargs)
+    ro, rpool = reference_cores().kda_decode_pool(**inputs, **kwargs)
+    live = np.asarray(inputs["slots"]) >= 0
+    assert rel_rms(o[live], ro[live]) < tol("fp32_mix_mapping")
+    np.testing.assert_array_equal(np.isnan(pool), np.isnan(rpool))
+    assert rel_rms(np.nan_to_num(pool), np.nan_to_num(rpool)) < tol("fp32_mix_mapping")
+
+
+def test_kda_decode_pool_mapping_without_vllms_padding_slot_fails():
+    """The test above can fail: without the shift past vLLM's padding slot 0, the rows read their neighbours' states
+    (and the one in slot 0 is skipped)."""
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    inputs, kwargs = _pool_inputs("vk")
+    core = vllm_kda.decode_pool_core(_fused_recurrent_stand_in(shift=0), dtype=torch.float32)
+    o, _ = core(**inputs, **kwargs)
+    ro, _ = reference_cores().kda_decode_pool(**inputs, **kwargs)
+    live = np.asarray(inputs["slots"]) >= 0
+    assert not rel_rms(np.nan_to_num(o[live]), ro[live]) < 100 * tol("fp32_mix_mapping")
+
+
+def test_kda_decode_pool_refuses_another_scale():
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    inputs, kwargs = _pool_inputs("vk")
+    with pytest.raises(UnsupportedShape, match="fixes the scale"):
+        vllm_kda.decode_pool_core(_fused_recurrent_stand_in(), dtype=torch.float32)(**inputs, **{**kwargs,
+                                                                                                "scale": 0.5})
+
+
+def test_vllm_kda_stubs():
+    pytest.importorskip("triton", reason="the stubs re-export triton")
+    stubs = vllm_kda.stubs()
+    assert set(stubs) == {"vllm.platforms", "vllm.triton_utils", "vllm.utils.math_utils"}
+    math_utils = stubs["vllm.utils.math_utils"]
+    assert math_utils["cdiv"](9, 4) == 3 and math_utils["next_power_of_2"](9) == 16
+    assert math_utils["RCP_LN2"] == pytest.approx(1.4426950408889634)
+    assert stubs["vllm.platforms"]["current_platform"].is_arch_support_pdl() is False
+
+
+KDA_SCRIPT = """
+import json, warnings
+import numpy as np
+warnings.simplefilter("ignore")
+from conformance.backends import vllm
+from conformance.cases.engine_kda import SPECS
+from k3ref.cores import reference_cores
+
+cores = vllm.make_cores(reference_cores(), "vllm")
+out = {}
+for layout, lb in (("vk", -5.0), ("kv", None)):
+    inputs, kw = SPECS["kda_decode_pool"].make(np.random.default_rng(5), B=3, S=5, H=2, K=16, V=8, padded=(2,),
+                                               state_layout=layout, lower_bound=lb)
+    o, pool = cores.kda_decode_pool(**inputs, **kw)
+    ro, rpool = reference_cores().kda_decode_pool(**inputs, **kw)
+    live = np.asarray(inputs["slots"]) >= 0
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    out[f"o-{layout}"] = rel(o[live], ro[live])
+    out[f"pool-{layout}"] = rel(np.nan_to_num(pool), np.nan_to_num(rpool))
+print(json.dumps(out))
+"""
+
+
+def test_vllm_kda_decode_under_the_interpreter(tmp_path):
+    needs(vllm.refusal())
+    script = tmp_path / "vllm_kda.py"
+    script.write_text(textwrap.dedent(KDA_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for key, err in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        assert err < tol("bf16_kda_stand_in"), (key, err)
