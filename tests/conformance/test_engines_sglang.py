@@ -19,23 +19,14 @@ from conformance.backends import engine_modules, engines, registry, sglang, sgla
 from conformance.backends.engine_modules import EngineModule, EngineModuleError, StubReplicatedLinear, StubRMSNorm
 from conformance.cases.core_data import BUILDERS
 from conformance.cases.engine_kda import SPECS
-from conformance.session import strict
 from k3ref.attnres import attnres_mix
 from k3ref.cores import UnsupportedShape, reference_cores
 from k3ref.ops import rmsnorm
+from tests.support.strict import require_ready
 from tests.support.tolerances import rel_rms, tol
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.torch
-
-
-def needs(ready: str | None) -> None:
-    """Skip with the reason when `ready` (a refusal) is not None; fail under K3_STRICT=1 (CI installs the wheels)."""
-    if ready is None:
-        return
-    if strict():
-        pytest.fail(f"K3_STRICT=1: {ready}", pytrace=False)
-    pytest.skip(ready)
 
 
 def _mix_inputs(S=3, lead=(5,), D=64, seed=0):
@@ -108,6 +99,18 @@ def test_a_missing_wheel_names_the_install_command(monkeypatch):
     assert "sglang is not installed" in sglang.refusal(triton=False)
 
 
+def test_a_missing_wheel_skips_and_fails_under_strict(monkeypatch):
+    """What every test that needs an engine's wheel does without it: skip with the reason, fail under K3_STRICT=1."""
+    why = "sglang is not installed: pip install --no-deps -r requirements-engines.txt"
+    monkeypatch.setenv("K3_STRICT", "0")
+    with pytest.raises(pytest.skip.Exception, match="sglang is not installed"):
+        require_ready(why)
+    monkeypatch.setenv("K3_STRICT", "1")
+    with pytest.raises(pytest.fail.Exception, match="K3_STRICT=1: sglang is not installed"):
+        require_ready(why)
+    require_ready(None)
+
+
 # ------------------------------------------------------------------------------------------------ the mapping
 
 
@@ -171,7 +174,7 @@ def test_sglang_eager_reference_through_the_mapping():
     on a toy draw (its bf16 scores bind only at K3's magnitudes: docs/engines.md)."""
     import torch  # noqa: PLC0415 -- optional: marked torch
 
-    needs(sglang.refusal(triton=False))
+    require_ready(sglang.refusal(triton=False))
     attn_residual = engine_modules.load(sglang.attn_residual_module("cpu"))
     inputs, kwargs = _mix_inputs(3, (5,), 113)
     out = sglang.mix_core(sglang.eager_run(attn_residual), dtype=torch.bfloat16)(**inputs, **kwargs)
@@ -213,7 +216,7 @@ print(json.dumps({"two": rel(two(**inputs, **kw), ref), "one": rel(one(**inputs,
 def test_sglang_triton_paths_under_the_interpreter(tmp_path):
     """Both Triton paths run under the interpreter in a fresh process and agree with the reference at bf16, the
     single kernel's fused output norm too (against rmsnorm of the reference mix: outside the attnres_mix core)."""
-    needs(sglang.refusal(triton=True))
+    require_ready(sglang.refusal(triton=True))
     script = tmp_path / "sglang_kernels.py"
     script.write_text(textwrap.dedent(TRITON_SCRIPT))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -323,7 +326,7 @@ print(json.dumps({"o": rel(o, ro), "state": rel(pool[live], rpool[live])}))
 def test_sglang_chunk_kda_under_the_interpreter(tmp_path):
     """SGLang's chunk_kda (two sequences, one over a 64-token chunk) under the interpreter with the bridges agrees
     with the reference at bf16."""
-    needs(sglang.kda_refusal())
+    require_ready(sglang.kda_refusal())
     script = tmp_path / "sglang_kda.py"
     script.write_text(textwrap.dedent(KDA_SCRIPT))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -414,7 +417,7 @@ for name, run, bridges in (("bf16", bf16_run, (ti.bridge_bf16_constants, ti.brid
 ])
 def test_engine_bridges_close_their_gaps(tmp_path, name, without):
     """Each bridge the engines' fla fork needs: the interpreter's failure without it, the right numbers with it."""
-    needs(triton_interpreter.triton_refusal())
+    require_ready(triton_interpreter.triton_refusal())
     script = tmp_path / "bridges.py"
     script.write_text(BRIDGES_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}

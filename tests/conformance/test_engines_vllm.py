@@ -19,7 +19,7 @@ from conformance.cases.core_data import BUILDERS
 from conformance.cases.engine_kda import SPECS
 from k3ref.attnres import attnres_mix
 from k3ref.cores import UnsupportedShape, reference_cores
-from tests.conformance.test_engines_sglang import needs
+from tests.support.strict import require_ready
 from tests.support.tolerances import rel_rms, tol
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ print(json.dumps(out))
 
 
 def test_vllm_triton_kernels_under_the_interpreter(tmp_path):
-    needs(vllm.refusal())
+    require_ready(vllm.refusal())
     script = tmp_path / "vllm_kernels.py"
     script.write_text(textwrap.dedent(VLLM_SCRIPT))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -221,7 +221,7 @@ print(json.dumps(out))
 
 
 def test_vllm_kda_decode_under_the_interpreter(tmp_path):
-    needs(vllm.refusal())
+    require_ready(vllm.refusal())
     script = tmp_path / "vllm_kda.py"
     script.write_text(textwrap.dedent(KDA_SCRIPT))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
