@@ -122,9 +122,10 @@ def refusal(triton: bool) -> str | None:
     if version not in MEASURED_SGLANG:
         return f"sglang {version} is not a version this adapter was measured on ({', '.join(MEASURED_SGLANG)}): {fix}"
     if triton:
-        why = triton_interpreter.triton_refusal()
-        if why:
-            return why
+        return triton_interpreter.triton_refusal()
+    if importlib_missing("triton"):     # attn_residual.py imports it (and decorates its kernels) for the eager path too
+        return ("triton is not installed (SGLang's attn_residual.py imports it): "
+                "pip install --no-deps -r requirements-fla.txt")
     return None
 
 
