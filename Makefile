@@ -37,22 +37,24 @@ fla: setup
 	$(BIN)/python -m conformance.backends.fla $(FLA_REPORT)/report.json
 
 # The serving engines' K3 code as their wheels ship it (requirements-engines.txt, docs/engines.md), in bf16: on tiny
-# (the per-block AttnRes, varlen KDA prefill and KDA pool decode cases and the model traces) and at K3's hidden width 7168 (the only
-# width SGLang's two-kernel Triton pipeline takes; SGLang's chunk_kda at K3's 96 heads takes over 10 minutes under
-# the interpreter, so its K3-geometry check is the k3geom traces' head_dim 128). `k3conf run` exits 1 on a failed gate; the verdict then passes only when each
-# engine backend's failed cases are exactly its documented findings (conformance.backends.engines). The fresh
-# inputs are one fixed draw, as in `make fla`, so the verdict is reproducible.
+# (the per-block AttnRes, varlen KDA prefill, KDA pool decode and SiTU cases and the model traces) and at K3's
+# sizes (AttnRes at hidden 7168, the only width SGLang's two-kernel Triton pipeline takes, and SiTU; the KDA kernels
+# at K3's 96 heads take 7 minutes and more under the interpreter: their K3-geometry check here is the k3geom traces'
+# head_dim 128). `k3conf run` exits 1 on a failed gate; the verdict then passes only when each engine backend's
+# failed cases are exactly its documented findings (conformance.backends.engines). The fresh inputs are one fixed
+# draw, as in `make fla`, so the verdict is reproducible.
 ENGINES_REPORT ?= reports/engines
 ENGINES_FRESH_SEED ?= 20261204
-ENGINES := --backend sglang --backend sglang-hip --backend sglang-ref --backend vllm --backend vllm-rocm
+ENGINES := --backend sglang --backend sglang-hip --backend sglang-ref --backend vllm --backend vllm-rocm \
+	--backend vllm-ref
 engines: setup
 	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run $(ENGINES) \
-		--cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'kda_decode_pool/*' 'trace/*' --no-timing \
+		--cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'kda_decode_pool/*' 'situ_glu/*' 'trace/*' --no-timing \
 		--report $(ENGINES_REPORT)/tiny \
 		|| [ $$? -eq 1 ]
-	$(BIN)/k3conf regen --shapes k3 --cases 'attnres_mix/*'
+	$(BIN)/k3conf regen --shapes k3 --cases 'attnres_mix/*' 'situ_glu/*'
 	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run --shapes k3 $(ENGINES) --cases 'attnres_mix/*' \
-		--no-timing --report $(ENGINES_REPORT)/k3 || [ $$? -eq 1 ]
+		'situ_glu/*' --no-timing --report $(ENGINES_REPORT)/k3 || [ $$? -eq 1 ]
 	$(BIN)/python -m conformance.backends.engines $(ENGINES_REPORT)/tiny/report.json $(ENGINES_REPORT)/k3/report.json
 
 # ruff (style, import order, imports at the top) and mypy (types) over the packages, the tests and the tools

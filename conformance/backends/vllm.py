@@ -35,16 +35,25 @@ import os
 import sys
 from collections.abc import Callable
 
-from conformance.backends import engine_modules, sglang, triton_engine_bridges, triton_interpreter, vllm_kda
+from conformance.backends import (
+    engine_modules,
+    sglang,
+    triton_engine_bridges,
+    triton_interpreter,
+    vllm_kda,
+    vllm_ref,
+)
 from conformance.backends.engine_modules import EngineModule
 from conformance.backends.sglang import EngineBackend, MixCall
 from k3ref.cores import Cores
 
 DIST = "vllm"
 MEASURED_VLLM = ("0.33.0",)
-NAMES = ("vllm", "vllm-rocm")
+TRITON_NAMES = ("vllm", "vllm-rocm")     # the backends of vLLM's Triton kernels
+NAMES = (*TRITON_NAMES, "vllm-ref")
 KERNEL_CORES = frozenset({"attnres_mix"})
-KERNELS_OF = {"vllm": KERNEL_CORES | {"kda_decode_pool"}, "vllm-rocm": KERNEL_CORES}
+KERNELS_OF = {"vllm": KERNEL_CORES | {"kda_decode_pool"}, "vllm-rocm": KERNEL_CORES,
+              "vllm-ref": frozenset({"situ_glu"})}
 FILES = {"vllm": "vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm-rocm": "vllm/models/kimi_k3/amd/ops/attn_res.py"}
 
 
@@ -88,8 +97,9 @@ def attn_res_module(name: str) -> EngineModule:
     return EngineModule(DIST, FILES[name], stubs)
 
 
-def refusal() -> str | None:
-    """None when torch, the measured vllm and a bridged triton are installed; else why not."""
+def refusal(triton: bool = True) -> str | None:
+    """None when torch, the measured vllm and (triton=True: a bridged; False: any) triton are installed; else why
+    not."""
     fix = "pip install --no-deps -r requirements-engines.txt"
     if sglang.importlib_missing("torch"):
         return "PyTorch is not installed (vLLM's kernels are torch + Triton): pip install torch"
@@ -98,6 +108,9 @@ def refusal() -> str | None:
         return f"vllm is not installed: {fix}"
     if version not in MEASURED_VLLM:
         return f"vllm {version} is not a version this adapter was measured on ({', '.join(MEASURED_VLLM)}): {fix}"
+    if not triton:      # activation.py imports triton (it decorates a kernel) though the eager path never runs it
+        return "triton is not installed: pip install --no-deps -r requirements-fla.txt" \
+            if sglang.importlib_missing("triton") else None
     return triton_interpreter.triton_refusal()
 
 
@@ -107,6 +120,8 @@ def available() -> tuple[bool, str]:
     if why:
         return False, why
     version = engine_modules.installed_version(DIST)
+    if version is None:
+        return False, "vllm is not installed"
     if sglang._cuda():
         return True, f"vllm {version}: Triton (GPU)"
     return True, f"vllm {version}: {sglang.TRITON_INTERPRETED}; {triton_interpreter.INTERPRETER_LIMITS}"
@@ -139,6 +154,8 @@ def make_cores(base: Cores, name: str) -> Cores:
     Triton KDA decode (conformance.backends.vllm_kda)."""
     import torch  # noqa: PLC0415 -- optional: this module imports without torch
 
+    if name == "vllm-ref":
+        return base.replace(situ_glu=vllm_ref.situ_core(vllm_ref.load_situ_and_mul(), dtype=torch.bfloat16))
     device = "cuda" if sglang._cuda() else "cpu"
     core = sglang.mix_core(kernel_run(load_kernel(name)), dtype=torch.bfloat16, device=device)
     if name != "vllm":
@@ -154,20 +171,34 @@ def make_cores(base: Cores, name: str) -> Cores:
 
 RAN = {"vllm": "attnres_mix ran vllm's attn_res Triton kernel (kimi_k3/nvidia/ops/attn_res.py), kda_decode_pool "
                 "its fused_recurrent_kda (kimi_k3/nvidia/ops/third_party/kda)",
-       "vllm-rocm": "attnres_mix ran vllm's attn_res Triton kernel (kimi_k3/amd/ops/attn_res.py)"}
+       "vllm-rocm": "attnres_mix ran vllm's attn_res Triton kernel (kimi_k3/amd/ops/attn_res.py)",
+       "vllm-ref": "situ_glu ran vllm's SituAndMul.forward_native (eager torch, bf16)"}
 # backend -> case glob -> why it fails, as measured (docs/engines.md)
 EXPECTED_FINDINGS: dict[str, dict[str, str]] = {
-    name: {"trace/free-P7-D5": sglang.KNIFE_EDGE_ROUTE.format(f6="9.3", logits="0.287")} for name in NAMES}
+    **{name: {"trace/free-P7-D5": sglang.KNIFE_EDGE_ROUTE.format(f6="9.3", logits="0.287")}
+       for name in TRITON_NAMES},
+    "vllm-ref": {},
+}
 
 
 def make_backend(name: str) -> EngineBackend:
     """One of NAMES, bf16."""
     if name not in NAMES:
         raise ValueError(f"vllm backend: expected one of {NAMES}, found {name!r}")
+    if name == "vllm-ref":
+        return EngineBackend(name, "bf16", lambda base: make_cores(base, name), is_available=available_ref,
+                             known_cores=KERNELS_OF[name], ran=RAN[name])
     device = "cuda" if not sglang.importlib_missing("torch") and sglang._cuda() else "cpu"
     ran = RAN[name] + ("" if device == "cuda" else f", {sglang.TRITON_INTERPRETED}")
     return EngineBackend(name, "bf16", lambda base: make_cores(base, name), is_available=available, device=device,
                          known_cores=KERNELS_OF[name], ran=ran)
+
+
+def available_ref() -> tuple[bool, str]:
+    """vllm-ref's available(): vLLM's eager torch code on the CPU."""
+    why = refusal(triton=False)
+    return (False, why) if why else (True, f"vllm {engine_modules.installed_version(DIST)}: its eager torch "
+                                           "SituAndMul on the CPU")
 
 
 def factory(name: str) -> Callable[[], EngineBackend]:

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conformance.backends import engines, registry, sglang, vllm, vllm_kda
+from conformance.backends import engines, registry, sglang, vllm, vllm_kda, vllm_ref
+from conformance.cases.core import CORE_SPECS
 from conformance.cases.core_data import BUILDERS
 from conformance.cases.engine_kda import SPECS
 from k3ref.attnres import attnres_mix
@@ -75,13 +76,14 @@ import json
 import numpy as np
 import torch
 from conformance.backends import sglang, triton_interpreter, vllm
+from conformance.cases.core import CORE_SPECS
 from conformance.cases.core_data import BUILDERS
 from conformance.cases.engine_kda import SPECS
 from k3ref.attnres import attnres_mix
 from k3ref.cores import UnsupportedShape, reference_cores
 
 out = {}
-for name in vllm.NAMES:
+for name in vllm.TRITON_NAMES:
     module = vllm.load_kernel(name)
     core = sglang.mix_core(vllm.kernel_run(module), dtype=torch.bfloat16)
     for S, T in ((9, 3), (2, 5)):          # BLOCK_L 4 (decode, several blocks) and 1 (one block)
@@ -231,3 +233,59 @@ def test_vllm_kda_decode_under_the_interpreter(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for key, err in json.loads(done.stdout.strip().splitlines()[-1]).items():
         assert err < tol("bf16_kda_stand_in"), (key, err)
+
+
+# ------------------------------------------------------------------------------------------------ vllm-ref: SiTU
+
+
+def test_vllm_ref_stubs_bind_no_fused_op():
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    platform = vllm_ref.StubCpuPlatform()
+    assert not platform.is_cuda_alike() and not platform.is_xpu()
+    assert platform.get_cpu_architecture() is vllm_ref.CpuArch.X86
+    op = vllm_ref.custom_op_class()
+    assert op.register("situ_and_mul")(int) is int
+    assert isinstance(op(compile_native=False), torch.nn.Module)
+
+
+class _SituStandIn:
+    """SituAndMul's contract: [gate | up] -> beta tanh(gate / beta) sigmoid(gate) (linear_beta tanh(up / lb))."""
+
+    def __init__(self, beta, linear_beta, swap=False):
+        self.beta, self.linear_beta, self.swap = beta, linear_beta, swap
+
+    def forward_native(self, x):
+        import torch  # noqa: PLC0415 -- optional: marked torch
+
+        d = x.shape[-1] // 2
+        gate, up = x[..., :d].double(), x[..., d:].double()
+        if self.swap:
+            gate, up = up, gate
+        gate = self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate)
+        if self.linear_beta is not None:
+            up = self.linear_beta * torch.tanh(up / self.linear_beta)
+        return gate * up
+
+
+@pytest.mark.parametrize("swap, within", [pytest.param(False, True, id="mapped"),
+                                          pytest.param(True, False, id="halves-swapped-fails")])
+def test_situ_mapping_through_vllm_contract(swap, within):
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    inputs, kwargs = CORE_SPECS["situ_glu"].make(np.random.default_rng(13), shape=(3, 37))
+    core = vllm_ref.situ_core(lambda b, lb: _SituStandIn(b, lb, swap), dtype=torch.float64)
+    out = core(**inputs, **kwargs)
+    assert (rel_rms(out, reference_cores().situ_glu(**inputs, **kwargs)) < tol("fp32_mix_mapping")) is within
+
+
+def test_vllm_eager_situ_from_the_wheel():
+    """vLLM's own SituAndMul.forward_native, loaded with the stubs, agrees with the reference at bf16 and leaves no
+    vllm module behind."""
+    import torch  # noqa: PLC0415 -- optional: marked torch
+
+    require_ready(vllm.refusal(triton=False))
+    inputs, kwargs = CORE_SPECS["situ_glu"].make(np.random.default_rng(14), shape=(5, 203))
+    out = vllm_ref.situ_core(vllm_ref.load_situ_and_mul(), dtype=torch.bfloat16)(**inputs, **kwargs)
+    assert rel_rms(out, reference_cores().situ_glu(**inputs, **kwargs)) < tol("bf16_mix_stand_in")
+    assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
