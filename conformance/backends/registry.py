@@ -13,8 +13,9 @@ The table (`k3conf list` shows availability and the reason):
                named (ON_REQUEST).
 - `cuda`       k3cuda.cuda_cores(reference_cores()) when k3cuda.available() says so; skipped otherwise.
 - `cuda-emu`   the same kernels and wrappers run by the g++ CPU emulation of k3cuda.testing (no GPU, no timing).
-- `sglang`, `sglang-hip`, `sglang-ref`, `vllm`, `vllm-rocm`, `vllm-ref`  the serving engines' K3 code loaded from their installed
-               wheels (conformance.backends.sglang, .vllm; docs/engines.md), bf16, run only when named (ON_REQUEST).
+- `sglang`, `sglang-hip`, `sglang-ref`, `vllm`, `vllm-rocm`, `vllm-ref`  the serving engines' K3 code loaded from
+               their installed wheels (conformance.backends.sglang, .vllm; docs/engines.md), bf16, run only when
+               named (ON_REQUEST).
 - `mutant:<name>`  numpy64 (or, for the bf16 mutants, torch-bf16) with one core replaced by a deliberately
                wrong one from conformance.backends.mutants.MUTANTS.
 - entry points of the group `k3conf.backends` (installed packages, conformance.backends.external), by name, and
