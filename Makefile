@@ -4,17 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run fla lint test bench bench-quick clean-venv chromium
+.PHONY: setup run fla engines lint test bench bench-quick clean-venv chromium
 
-# Idempotent: re-runs only when pyproject.toml or requirements-fla.txt changes. torch is pinned to the CPU build
+# Idempotent: re-runs only when pyproject.toml or a requirements file changes. torch is pinned to the CPU build
 # that this machine kind keeps on disk; an unpinned torch would pull a multi-GB CUDA build. fla's kernels (the `fla`
 # backend, run under Triton's interpreter without a GPU) install with --no-deps for the same reason.
-$(STAMP): pyproject.toml requirements-fla.txt
+$(STAMP): pyproject.toml requirements-fla.txt requirements-engines.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test,torch]"
 	$(BIN)/python -m pip install -q --no-deps -r requirements-fla.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-engines.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +35,27 @@ fla: setup
 	K3CONF_FRESH_SEED=$(FLA_FRESH_SEED) $(BIN)/k3conf run --backend fla --cases 'kda_*' 'trace/*' --no-timing \
 		--report $(FLA_REPORT) || [ $$? -eq 1 ]
 	$(BIN)/python -m conformance.backends.fla $(FLA_REPORT)/report.json
+
+# The serving engines' K3 code as their wheels ship it (requirements-engines.txt, docs/engines.md), in bf16: on tiny
+# (the per-block AttnRes, varlen KDA prefill, KDA pool decode and SiTU cases and the model traces) and at K3's
+# sizes (AttnRes at hidden 7168, the only width SGLang's two-kernel Triton pipeline takes, and SiTU; the KDA kernels
+# at K3's 96 heads take 7 minutes and more under the interpreter: their K3-geometry check here is the k3geom traces'
+# head_dim 128). `k3conf run` exits 1 on a failed gate; the verdict then passes only when each engine backend's
+# failed cases are exactly its documented findings (conformance.backends.engines). The fresh inputs are one fixed
+# draw, as in `make fla`, so the verdict is reproducible.
+ENGINES_REPORT ?= reports/engines
+ENGINES_FRESH_SEED ?= 20261204
+ENGINES := --backend sglang --backend sglang-hip --backend sglang-ref --backend vllm --backend vllm-rocm \
+	--backend vllm-ref
+engines: setup
+	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run $(ENGINES) \
+		--cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'kda_decode_pool/*' 'situ_glu/*' 'trace/*' --no-timing \
+		--report $(ENGINES_REPORT)/tiny \
+		|| [ $$? -eq 1 ]
+	$(BIN)/k3conf regen --shapes k3 --cases 'attnres_mix/*' 'situ_glu/*'
+	K3CONF_FRESH_SEED=$(ENGINES_FRESH_SEED) $(BIN)/k3conf run --shapes k3 $(ENGINES) --cases 'attnres_mix/*' \
+		'situ_glu/*' --no-timing --report $(ENGINES_REPORT)/k3 || [ $$? -eq 1 ]
+	$(BIN)/python -m conformance.backends.engines $(ENGINES_REPORT)/tiny/report.json $(ENGINES_REPORT)/k3/report.json
 
 # ruff (style, import order, imports at the top) and mypy (types) over the packages, the tests and the tools
 lint: setup

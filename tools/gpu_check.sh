@@ -92,6 +92,19 @@ if $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/nu
     else
         echo "!! fla-core is not installed: fla's kernels were not judged on the GPU (pip install -r requirements-fla.txt)"
     fi
+    # the engines' Triton kernels compiled for this GPU (docs/engines.md): on tiny, and SGLang's two-kernel AttnRes and
+    # both engines' KDA kernels at K3's sizes too (under the interpreter these take minutes; compiled, seconds)
+    if $PY -c "import importlib.metadata as m; m.version('sglang'); m.version('vllm')" 2>/dev/null; then
+        step engines_gpu 200 $PY -m conformance run --backend sglang --backend sglang-hip --backend vllm \
+            --backend vllm-rocm --cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'kda_decode_pool/*' 'trace/*' \
+            --report "$LOG_DIR/engines"
+        step engines_gpu_k3 300 bash -c "$PY -m conformance regen --shapes k3 --cases 'attnres_mix/*' \
+            'kda_prefill_varlen/*' 'kda_decode_pool/*' && $PY -m conformance run --shapes k3 --backend sglang \
+            --backend sglang-hip --backend vllm --cases 'attnres_mix/*' 'kda_prefill_varlen/*' 'kda_decode_pool/*' \
+            --report $LOG_DIR/engines_k3"
+    else
+        echo "!! sglang or vllm is not installed: their kernels were not judged on the GPU (pip install --no-deps -r requirements-engines.txt)"
+    fi
 else
     echo "!! torch does not see a CUDA GPU: the device-tensor steps did not run"
 fi

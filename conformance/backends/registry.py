@@ -13,6 +13,9 @@ The table (`k3conf list` shows availability and the reason):
                named (ON_REQUEST).
 - `cuda`       k3cuda.cuda_cores(reference_cores()) when k3cuda.available() says so; skipped otherwise.
 - `cuda-emu`   the same kernels and wrappers run by the g++ CPU emulation of k3cuda.testing (no GPU, no timing).
+- `sglang`, `sglang-hip`, `sglang-ref`, `vllm`, `vllm-rocm`, `vllm-ref`  the serving engines' K3 code loaded from
+               their installed wheels (conformance.backends.sglang, .vllm; docs/engines.md), bf16, run only when
+               named (ON_REQUEST).
 - `mutant:<name>`  numpy64 (or, for the bf16 mutants, torch-bf16) with one core replaced by a deliberately
                wrong one from conformance.backends.mutants.MUTANTS.
 - `recipe:<name>`  a correct kernel written another way (conformance.backends.recipes: wider accumulation, another
@@ -30,6 +33,8 @@ from collections.abc import Callable
 
 from conformance.backends import external
 from conformance.backends import fla as fla_backend
+from conformance.backends import sglang as sglang_backend
+from conformance.backends import vllm as vllm_backend
 from conformance.backends.builtin import (
     CudaBackend,
     CudaEmuBackend,
@@ -79,6 +84,11 @@ ON_REQUEST: dict[str, Factory] = {
     # fla's real KDA kernels (under Triton's interpreter without a GPU): tiny's free-running trace fails on them
     # as on torch-model-bf16 (conformance.backends.fla.EXPECTED_FINDINGS); `make fla` runs them and checks that
     "fla": fla_backend.make_backend,
+    # the serving engines' K3 code as their wheels ship it (docs/engines.md): SGLang's two Triton AttnRes paths and
+    # its eager reference, and vLLM's Triton AttnRes kernels; `make engines` runs them and checks their documented
+    # findings (conformance.backends.engines)
+    **{name: sglang_backend.factory(name) for name in sglang_backend.NAMES},
+    **{name: vllm_backend.factory(name) for name in vllm_backend.NAMES},
 }
 _CACHE: dict[str, BackendBase] = {}   # name -> backend, built once per process
 

@@ -43,7 +43,7 @@ MEASURED_FLA = ("0.6.0",)
 MEASURED_TRITON = ((3, 7, 1), (3, 9, 0))     # inclusive; 3.5.1 fails on fused_recurrent_kda itself
 INTERPRETER_LIMITS = ("Triton's interpreter (CPU): fp32 dots in IEEE fp32, not TF32 as a GPU may; the first "
                       "autotune config of each kernel, not the fastest; exp, log and reductions in NumPy")
-_MARK = "_k3conf_bridge"     # set on every function a bridge installs: its presence means "already bridged"
+MARK = "_k3conf_bridge"     # set on every function a bridge installs: its presence means "already bridged"
 
 
 def interpreter_on() -> bool:
@@ -58,7 +58,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """'3.9.0' -> (3, 9, 0); a local or pre-release suffix is dropped ('3.7.1+git' -> (3, 7, 1))."""
     parts = []
     for p in version.split("+")[0].split("."):
@@ -77,29 +77,38 @@ def refusal() -> str | None:
     if fla is None or triton is None:
         missing = [d for d, v in (("fla-core", fla), ("triton", triton)) if v is None]
         return f"{' and '.join(missing)} not installed: {fix}"
-    lo, hi = MEASURED_TRITON
     if fla not in MEASURED_FLA:
         return (f"fla-core {fla} is not a version the interpreter bridges were measured on "
                 f"({', '.join(MEASURED_FLA)}): {fix}")
-    if not lo <= _release(triton)[:3] <= hi:
+    return triton_refusal()
+
+
+def triton_refusal() -> str | None:
+    """None when the installed triton is within the versions the bridges were measured on; else why not."""
+    fix = "pip install --no-deps -r requirements-fla.txt"
+    triton = _version("triton")
+    if triton is None:
+        return f"triton not installed: {fix}"
+    lo, hi = MEASURED_TRITON
+    if not lo <= release(triton)[:3] <= hi:
         return (f"triton {triton} is outside the versions the interpreter bridges were measured on "
                 f"({'.'.join(map(str, lo))} to {'.'.join(map(str, hi))}): {fix}")
     return None
 
 
-def _require_interpreter(bridge: str) -> None:
+def require_interpreter(bridge: str) -> None:
     if not interpreter_on():
         raise RuntimeError(f"{bridge}: expected {ENV}=1 (the bridges change Triton's interpreter only), found "
                            f"{ENV}={os.environ.get(ENV, '')!r}")
 
 
-def _install(owner: object, name: str, make: Callable[[Callable], Callable]) -> bool:
+def install(owner: object, name: str, make: Callable[[Callable], Callable]) -> bool:
     """Replace owner.name by make(original) unless a bridge already did; True when it replaced it now."""
     original = getattr(owner, name)
-    if getattr(original, _MARK, False):
+    if getattr(original, MARK, False):
         return False
     new = make(original)
-    setattr(new, _MARK, True)
+    setattr(new, MARK, True)
     setattr(owner, name, new)
     return True
 
@@ -110,7 +119,7 @@ def _install(owner: object, name: str, make: Callable[[Callable], Callable]) -> 
 def bridge_autotuner() -> bool:
     """The autotuner keeps the first of its (pruned) configs: with one config left it benchmarks nothing, so it
     never asks for the GPU driver the interpreter lacks."""
-    _require_interpreter("bridge_autotuner")
+    require_interpreter("bridge_autotuner")
     from triton.runtime.autotuner import Autotuner  # noqa: PLC0415 -- optional dependency, imported on use
 
     def make(prune_configs):
@@ -118,7 +127,7 @@ def bridge_autotuner() -> bool:
         def first_config(self, kwargs):
             return prune_configs(self, kwargs)[:1]
         return first_config
-    return _install(Autotuner, "prune_configs", make)
+    return install(Autotuner, "prune_configs", make)
 
 
 def _gather(src, index, axis):
@@ -128,13 +137,13 @@ def _gather(src, index, axis):
     return tl.gather(src, index, axis)
 
 
-setattr(_gather, _MARK, True)
+setattr(_gather, MARK, True)
 
 
 def bridge_gather(modules: Iterable[ModuleType] | None = None) -> list[str]:
     """Every module (default: every loaded `fla.*` module) whose global `gather` is the compiler's `tl.gather`
     gets one that looks tl.gather up at call time; the names of the modules changed now."""
-    _require_interpreter("bridge_gather")
+    require_interpreter("bridge_gather")
     import triton.language as tl  # noqa: PLC0415 -- optional dependency, imported on use
 
     if modules is None:
@@ -174,7 +183,7 @@ def bridge_loop_variables() -> bool:
     """The variable of a `range` / `tl.range` loop in a kernel is an int32 tensor, as compiled Triton's is
     (`tl.static_range` keeps Python ints: its variable is a compile-time constant there too). The interpreter
     rewrites each kernel's AST before running it; this bridge adds one step to that rewrite."""
-    _require_interpreter("bridge_loop_variables")
+    require_interpreter("bridge_loop_variables")
     import triton.language as tl  # noqa: PLC0415 -- optional dependency, imported on use
     from triton.runtime import interpreter  # noqa: PLC0415 -- optional dependency, imported on use
 
@@ -191,7 +200,7 @@ def bridge_loop_variables() -> bool:
         def transform_with_tensor_loops(self, src):
             return ast.fix_missing_locations(_TensorRangeLoops().visit(transform_ast(self, src)))
         return transform_with_tensor_loops
-    installed = _install(interpreter.FunctionRewriter, "_transform_ast", make)
+    installed = install(interpreter.FunctionRewriter, "_transform_ast", make)
     if installed:   # a kernel that already ran keeps its rewrite in this cache: rewrite it again, with the bridge
         interpreter.InterpretedFunction.rewritten_fn.clear()
     return installed
@@ -213,7 +222,7 @@ def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def bridge_bf16_dot() -> bool:
     """`tl.dot` on bf16 operands multiplies their values (widened exactly to fp32) instead of their bit patterns."""
-    _require_interpreter("bridge_bf16_dot")
+    require_interpreter("bridge_bf16_dot")
     import triton.language as tl  # noqa: PLC0415 -- optional dependency, imported on use
     from triton.runtime import interpreter  # noqa: PLC0415 -- optional dependency, imported on use
 
@@ -225,12 +234,12 @@ def bridge_bf16_dot() -> bool:
         def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
             return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
         return dot
-    return _install(interpreter.InterpreterBuilder, "create_dot", make)
+    return install(interpreter.InterpreterBuilder, "create_dot", make)
 
 
 def bridge_bf16_rounding() -> bool:
     """An fp32 -> bf16 cast rounds to nearest even, as compiled Triton's truncf does on a GPU."""
-    _require_interpreter("bridge_bf16_rounding")
+    require_interpreter("bridge_bf16_rounding")
     import triton.language as tl  # noqa: PLC0415 -- optional dependency, imported on use
     from triton.runtime import interpreter  # noqa: PLC0415 -- optional dependency, imported on use
 
@@ -241,7 +250,7 @@ def bridge_bf16_rounding() -> bool:
                 return interpreter.TensorHandle(fp32_to_bf16_bits(src.data), tl.bfloat16)
             return cast_impl(self, src, dst_type)
         return cast
-    return _install(interpreter.InterpreterBuilder, "cast_impl", make)
+    return install(interpreter.InterpreterBuilder, "cast_impl", make)
 
 
 TRITON_BRIDGES = (bridge_autotuner, bridge_loop_variables, bridge_bf16_dot, bridge_bf16_rounding)

@@ -16,7 +16,7 @@ import pytest
 from conformance.session import strict
 from k3cuda import build
 
-__all__ = ["import_or_skip", "missing", "require", "strict"]
+__all__ = ["import_or_skip", "missing", "require", "require_ready", "strict"]
 
 INSTALL = {
     "torch": "PyTorch is not installed ({why}): pip install 'k3-conformance[torch]' (or `make setup`)",
@@ -54,3 +54,13 @@ def import_or_skip(name: str):
     """The module `name` ("torch"), after require(name)."""
     require(name)
     return importlib.import_module(name)
+
+
+def require_ready(refusal: str | None) -> None:
+    """Skip (fail under K3_STRICT=1) the calling test when `refusal` (why an optional package such as an engine's
+    wheel cannot run here) is not None; CI installs what the tests need."""
+    if refusal is None:
+        return
+    if strict():
+        pytest.fail(f"K3_STRICT=1: {refusal}", pytrace=False)
+    pytest.skip(refusal)
