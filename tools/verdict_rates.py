@@ -3,6 +3,8 @@
     python tools/verdict_rates.py mutants [--config tiny] [--fuzz SECONDS] [--only NAME ...]
     python tools/verdict_rates.py correct --backends torch cuda-emu recipe:fp32-wide ... --seeds 0:300 [--fuzz 1]
     python tools/verdict_rates.py committed --backends numpy32 torch torch-bf16 cuda-emu recipe:bf16-wide ...
+    python tools/verdict_rates.py region --core mxfp4_gemv --region split-k --backends recipe:fp32-numpy-sums \
+        --draws 1500
 
 `mutants`: every mutant of the corpus (`k3conf list mutants`: the table's mistakes, and conformance.backends.
 mutants_space's size-only, contract, biased-rounding and precision bugs) through what a default `k3conf run`
@@ -14,7 +16,8 @@ run on that set when its goldens are in the cache, and said so otherwise.
 `k3conf run` draws afresh on every run) and, with --fuzz ROUNDS, that many rounds of fuzz draws per seed; the
 baselines are left out (they set the bounds). Prints each backend's failures and the rate, with a 95% upper bound
 when none failed (3 / N). `committed`: the same backends over the committed cases and traces, as `make run`
-judges them. docs/verdict_rates.md publishes both, with these commands.
+judges them. `region`: many draws of one fuzz region (one per seed 0..draws-1) on correct backends, with each one's
+worst error over its bound. docs/verdict_rates.md publishes all of them, with these commands.
 """
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from conformance.backends.registry import MUTANTS
+from conformance.backends.registry import MUTANTS, get_backend
 from conformance.cases.catalog import all_cases
+from conformance.fuzz import space
+from conformance.fuzz.draws import FuzzRunner, judge, plan
 from conformance.fuzz.inrun import cores_run_by, fuzz_step
 from conformance.golden.store import COMMITTED_ROOT, default_root
 from conformance.judge import gates
-from conformance.runner import run
+from conformance.runner import Runner, run
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fresh_margins  # noqa: E402 - a sibling script: its records are the fresh draws' verdicts
@@ -109,6 +114,27 @@ def committed(args) -> None:
             print(f"FAIL {r.failure_line()[:300]}")
 
 
+def region(args) -> None:
+    parent = Runner(COMMITTED_ROOT, "tiny", False, seed=None,
+                    in_process=frozenset({"numpy64", "numpy32", "torch-bf16", *args.backends}))
+    runner = FuzzRunner(parent)
+    try:
+        for name in args.backends:
+            backend, failing, worst, t0 = get_backend(name), [], 0.0, time.perf_counter()
+            for seed in range(args.draws):
+                (draw,) = [d for d in plan([args.core], seed) if d.region == args.region]
+                r = judge(runner, draw, backend)
+                worst = max([worst] + [t.comparison.rel_rms / t.verdict.bound for t in r.tensors if t.verdict.bound])
+                if r.status in ("fail", "error"):
+                    failing.append(f"seed {seed} {space.describe(draw.params)}: {r.failure_line()[:200]}")
+            print(f"{name} on {args.core} region {args.region}: {len(failing)} failing of {args.draws} draws, worst "
+                  f"error / bound {worst:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            for line in failing:
+                print("FAIL", line)
+    finally:
+        parent.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -124,12 +150,19 @@ def main() -> None:
     k = sub.add_parser("committed", help="backends over the committed cases and traces")
     k.add_argument("--backends", nargs="+", required=True)
     k.add_argument("--config", default="tiny")
+    g = sub.add_parser("region", help="many draws of one fuzz region on correct backends")
+    g.add_argument("--core", required=True, choices=list(space.REGIONS))
+    g.add_argument("--region", required=True)
+    g.add_argument("--backends", nargs="+", required=True)
+    g.add_argument("--draws", type=int, default=1000)
     args = ap.parse_args()
+    if args.what == "region" and args.region not in {r.name for r in space.REGIONS[args.core]}:
+        ap.error(f"--region: expected one of {[r.name for r in space.REGIONS[args.core]]}, found {args.region!r}")
     baselines = set(gates.BASELINE.values()) | {"numpy64"}
-    if args.what == "correct" and baselines & set(args.backends):
+    if args.what in ("correct", "region") and baselines & set(args.backends):
         ap.error(f"correct: {sorted(baselines & set(args.backends))} set the bounds of fresh draws; judge them with "
                  "`committed`")
-    {"mutants": mutants, "correct": correct, "committed": committed}[args.what](args)
+    {"mutants": mutants, "correct": correct, "committed": committed, "region": region}[args.what](args)
 
 
 if __name__ == "__main__":

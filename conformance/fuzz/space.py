@@ -96,9 +96,12 @@ def _mxfp4(rng, K: tuple[int, int] = (1, 8), N=(1, 9), lead=False) -> Params:
 
 
 def _split_k(rng) -> Params:
-    """K just past 2048 or 4096 (a partial last chunk of 2048), or across both."""
+    """K just past 2048 or 4096 (a partial last chunk of 2048), or across both, with 16..32 outputs: the bound is k x
+    numpy32's error on the same draw, and numpy32's relative RMS over 1..4 long sums is one noisy sample (a correct
+    fp32 GEMV with other sums failed 7 of 1,500 such draws at up to 2.26x the bound; over 16..32 outputs, 0 of 1,500
+    at 0.33x at worst: tools/verdict_rates.py region, docs/verdict_rates.md)."""
     base = int(_pick(rng, (2048, 4096)))
-    return dict(N=_int(rng, 1, 4), K=base + 32 * _int(rng, 1, 20))
+    return dict(N=_int(rng, 16, 32), K=base + 32 * _int(rng, 1, 20))
 
 
 def _route(rng, ties=False, groups=False) -> Params:
