@@ -112,7 +112,8 @@ def _route(rng, ties=False, groups=False) -> Params:
         return dict(T=_int(rng, 1, 6), E=n_group * per_group, top_k=_int(rng, 1, min(4, topk_group * per_group)),
                     n_group=n_group, topk_group=topk_group)
     E = _int(rng, 4, 40)
-    out = dict(T=_int(rng, 1, 6), E=E, top_k=_int(rng, 1, min(8, E - 1)))
+    # a tie at the k-th choice needs an expert below the tied pair: top_k <= E - 2 (core_data's tied route)
+    out = dict(T=_int(rng, 1, 6), E=E, top_k=_int(rng, 1, min(8, E - 2 if ties else E - 1)))
     if ties:
         out["ties"] = True
     return out
