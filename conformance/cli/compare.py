@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conformance.cli.usage import UsageError
 from conformance.dumps.calibrate import read_table
-from conformance.dumps.control import ControlVerdict, control_limit, judge_against, same_prompts
+from conformance.dumps.control import ControlVerdict, common_steps, control_limit, judge_against, same_prompts
 from conformance.dumps.distributed import NotDistributed, check_environment
 from conformance.dumps.errors import DumpError
 from conformance.dumps.format import Dump
@@ -147,4 +147,4 @@ def _against(args, report, table) -> ControlVerdict:
         raise UsageError(f"--control {args.control}: {why}")
     done = _compare(args, args.control, table)
     assert done is not None       # --distributed ranks other than 0 returned before
-    return judge_against(report, done[0], control_limit(cand, table))
+    return judge_against(report, done[0], control_limit(cand, table), common_steps(cand, ctrl))

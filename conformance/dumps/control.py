@@ -5,10 +5,12 @@ configuration (another engine, TP 1, one-shot prefill, an earlier release).
     verdict = judge_against(cand, ctrl, limit=control_limit(cand))
 
 Each dump is recomputed in float64 from its own inputs, so each sublayer's added divergence is measured
-against the same arbiter. The relative verdict per layer and sublayer: the candidate's worst added relative
-RMS over the steps divided by the control's; over when that ratio is past `limit`, the largest ratio two
-correct engines of one precision showed on the same prompts (k3torch and k3ref at float32, TP 1 and TP 2: the
-`control_ratio` row of the budget table, measured by conformance/dumps/measure.py) times the margin.
+against the same arbiter. Only the steps both dumps ran on the same tokens count (the prefill, and the decode
+steps until their greedy choices part: after that their inputs differ). The relative verdict per layer and
+sublayer: the candidate's worst added relative RMS over those steps divided by the control's; over when that
+ratio is past `limit`, the largest ratio two correct engines of one precision showed on the same prompts
+(k3torch and k3ref at float32, TP 1 and TP 2: the `control_ratio` row of the budget table, measured by
+conformance/dumps/measure.py) times the margin.
 
 A ratio over in every layer of one kind (every KDA mixer, every MoE mlp, at least two layers) is not a layer's
 bug but the candidate's recipe: it is reported as a precision difference, with the KDA state fingerprints of
@@ -74,16 +76,18 @@ def _kind(summary, sublayer: str) -> str:
     return summary.mixer if sublayer in ("attnres_mixer", "mixer") else summary.mlp
 
 
-def judge_against(cand: DumpReport, ctrl: DumpReport, limit: float) -> ControlVerdict:
-    """The relative verdict of `cand` against `ctrl` (reports of the same prompts and checkpoint)."""
+def judge_against(cand: DumpReport, ctrl: DumpReport, limit: float, steps: int | None = None) -> ControlVerdict:
+    """The relative verdict of `cand` against `ctrl` (reports of the same prompt and checkpoint) over their
+    first `steps` steps (None: every step both hold; see common_steps)."""
     theirs = {s.layer: s for s in ctrl.layers}
     ratios = []
     for s in cand.layers:
         c = theirs.get(s.layer)
         for sub in SUBLAYERS:
-            if c is None or sub not in s.worst or sub not in c.worst:
+            if c is None or sub not in s.per_step or sub not in c.per_step:
                 continue
-            a, b = s.worst[sub].added.rel_rms, c.worst[sub].added.rel_rms
+            n = min(len(s.per_step[sub]), len(c.per_step[sub]), steps if steps is not None else 1 << 30)
+            a, b = max(s.per_step[sub][:n]), max(c.per_step[sub][:n])
             ratio = a / max(b, _FLOOR)
             ratios.append(RowRatio(s.layer, sub, _kind(s, sub), a, b, ratio, not ratio <= limit))
     precision, systematic = [], set()
@@ -106,6 +110,16 @@ def judge_against(cand: DumpReport, ctrl: DumpReport, limit: float) -> ControlVe
 def control_limit(dump, table: BudgetTable | None = None) -> float:
     """The control_ratio budget for this candidate dump (format.Dump): its geometry's, else the largest."""
     return (table or default_table()).row(geometry_of(dump.config), dump.dtype, CONTROL_RATIO).limit
+
+
+def common_steps(cand, ctrl) -> int:
+    """How many leading steps two dumps (format.Dump) ran on the same tokens."""
+    n = 0
+    for a, b in zip(cand.steps, ctrl.steps, strict=False):
+        if list(map(int, a.tokens)) != list(map(int, b.tokens)):
+            break
+        n += 1
+    return n
 
 
 def same_prompts(cand, ctrl) -> str | None:

@@ -49,18 +49,20 @@ class LayerSummary:
     carried: Divergence | None
     carried_budget: float | None          # what a carrier's carried rel_rms exceeds: the source's input's
     verdict: str
+    per_step: dict[str, list[float]] = dataclasses.field(default_factory=dict)   # added rel RMS by step index
 
     def to_json(self) -> dict:
         return {"layer": self.layer, "mixer": self.mixer, "mlp": self.mlp,
                 "worst": {k: r.to_json() for k, r in self.worst.items()},
                 "carried": None if self.carried is None else self.carried.to_json(),
-                "carried_budget": self.carried_budget, "verdict": self.verdict}
+                "carried_budget": self.carried_budget, "verdict": self.verdict, "per_step": self.per_step}
 
     @classmethod
     def from_json(cls, d: dict) -> LayerSummary:
         return cls(int(d["layer"]), d["mixer"], d["mlp"], {k: Row.from_json(r) for k, r in d["worst"].items()},
                    None if d["carried"] is None else Divergence.from_json(d["carried"]),
-                   None if d["carried_budget"] is None else float(d["carried_budget"]), d["verdict"])
+                   None if d["carried_budget"] is None else float(d["carried_budget"]), d["verdict"],
+                   {k: [float(x) for x in v] for k, v in d.get("per_step", {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +194,10 @@ def assemble(dump: Dump, layer_results: list[LayerResult], free: FreeRun | None,
             verdict = "carrier"
         else:
             verdict = "ok"
-        summaries.append(LayerSummary(res.layer, res.mixer, res.mlp, _worst(res.rows), carried, cb, verdict))
+        per_step = {sub: [r.added.rel_rms for r in sorted(res.rows, key=lambda r: r.step) if r.sublayer == sub]
+                    for sub in ORDER}
+        summaries.append(LayerSummary(res.layer, res.mixer, res.mlp, _worst(res.rows), carried, cb, verdict,
+                                      {k: v for k, v in per_step.items() if v}))
     carriers = [s.layer for s in summaries if s.verdict == "carrier"]
     amplification = [a for a in map(_amplified, results) if a is not None]
     limits = {}
