@@ -126,22 +126,23 @@ def bugs(config: str, dtype: str, n: int, root: Path, only: list[str] | None = N
     t0 = time.perf_counter()
     runs = 0
     clean_model = _model(ckpt, dtype)
+    plan = prompt_plan(n, FRESH_SEED)
+    correct = {seed: _record(clean_model, cfg, seed, length, new, root / f"clean-{seed}") for seed, length, new in plan}
     for bug, layer in corpus(config):
         if only and bug not in only:
             continue
         counts = {"right": 0, "correct_layer_blamed": 0, "other_sublayer": 0, "later_layer": 0, "missed": 0,
                   "inactive": 0}
-        for seed, length, new in prompt_plan(n, FRESH_SEED):
+        for seed, length, new in plan:
             kwargs = {}
-            correct = _record(clean_model, cfg, seed, length, new, root / "clean")
             if bug == "expert_scale":
-                kwargs["expert"] = _busiest_expert(correct, layer)
+                kwargs["expert"] = _busiest_expert(correct[seed], layer)
             model = _model(ckpt, dtype)
             plant(model, bug, layer, **kwargs)
             tp = 2 if runs % 3 == 2 else 1
             runs += 1
             dump = _record(model, cfg, seed, length, new, root / f"dump-tp{tp}", tp)
-            if _inactive(correct, dump, layer):
+            if _inactive(correct[seed], dump, layer):
                 counts["inactive"] += 1
                 continue
             report = compare_dump(dump, ckpt)

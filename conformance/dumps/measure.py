@@ -15,6 +15,7 @@ publishes are measured on prompts the budgets never saw. Needs torch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pprint
 import sys
@@ -131,6 +132,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--write", action="store_true", help="write conformance/dumps/budget_table.py")
     p.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     p.add_argument("--work", type=Path, default=None, help="keep checkpoints and the scratch dump here")
+    p.add_argument("--merge", type=Path, default=None, metavar="FILE",
+                   help="a table (--out of an earlier run) whose rows this run did not measure are kept, its "
+                        "command and prompts noted: one table from runs made one after the other")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     command = "python -m conformance.dumps.measure " + " ".join(argv)
@@ -144,6 +148,15 @@ def main(argv: list[str]) -> None:
             "ratio of two correct float32 engines (k3torch vs k3ref, k3ref TP 1 vs TP 2) either way")
     table = table_json(stats, command=command, engine="correct k3torch model (bf16: bf16 weights and stores, fp32 "
                        "accumulation and state; float32)", prompts=plan)
+    if a.merge:
+        earlier = json.loads(a.merge.read_text())
+        mine = {(r["geometry"], r["dtype"], r["row"]) for r in table["rows"]}
+        table["rows"] = sorted([*table["rows"], *(r for r in earlier["rows"]
+                                                  if (r["geometry"], r["dtype"], r["row"]) not in mine)],
+                               key=lambda r: (r["geometry"], r["dtype"], r["row"]))
+        table["command"] = f"{earlier['command']} && {command}"
+        table["prompts"] = f"{earlier['prompts']}; {plan}"
+        table["carried_max"] = {**earlier["carried_max"], **table["carried_max"]}
     if a.write:
         write_module(table)
     if a.out:
