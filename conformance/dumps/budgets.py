@@ -42,7 +42,10 @@ TOKEN_TIE = "token_tie"     # a token choice differing from the reference within
 ROWS = (*SUBLAYER_ROWS, *GAIN_ROWS, ROUTE_TIE, TOKEN_TIE)
 CONTROL_RATIO = "control_ratio"   # candidate added / control added, per sublayer, past which a row is over (control.py)
 ANY = "any"                 # the geometry of a row that holds for a dump of any geometry
-MARGIN = 2.0                # limit = MARGIN x the largest per-dump worst value of the clean dumps (rounded up)
+# limit = MARGIN x the largest per-dump worst value of the clean dumps (rounded up). 1.5: over 150 dumps per config
+# and dtype the clean tail is short (tiny bf16 mixer: p99 2.2e-2, max 2.3e-2), and 2.0 let a KDA gate-bound bug
+# that adds 4.3e-2 pass; the false-source rate at 1.5 is measured on fresh prompts (docs/dumps_compare.md).
+MARGIN = 1.5
 Budgets = Callable[[str, str], float]     # (engine dtype, row) -> limit, for one geometry
 
 
