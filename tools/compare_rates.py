@@ -81,12 +81,12 @@ def _numbers(report: DumpReport) -> str:
     return f"layer {layer} {sub} step {step}: " + ("; ".join(row.over_by) if row is not None else "")
 
 
-def clean(config: str, dtype: str, n: int, root: Path) -> dict:
+def clean(config: str, dtype: str, n: int, root: Path, seed0: int = FRESH_SEED) -> dict:
     ckpt, cfg = checkpoint_for(config, root), K3Config.preset(config)
     model = _model(ckpt, dtype)
     false, tokens, ties, amplified, flips = [], [], 0, 0, 0
     t0 = time.perf_counter()
-    for seed, length, new in prompt_plan(n, FRESH_SEED):
+    for seed, length, new in prompt_plan(n, seed0):
         report = compare_dump(_record(model, cfg, seed, length, new, root / "dump"), ckpt)
         if report.source is not None:
             false.append({"seed": seed, "prefill": length, "decode": new, "source": _numbers(report)})
@@ -97,7 +97,7 @@ def clean(config: str, dtype: str, n: int, root: Path) -> dict:
         flips += len(differ)
         ties += len(differ) - len(report.token_failures)
         amplified += len(report.amplification)
-    return {"config": config, "dtype": dtype, "prompts": n, "seeds": f"{FRESH_SEED}..{FRESH_SEED + n - 1}",
+    return {"config": config, "dtype": dtype, "prompts": n, "seeds": f"{seed0}..{seed0 + n - 1}",
             "false_sources": len(false), "token_failures": len(tokens), "greedy_flips": flips, "near_ties": ties,
             "amplified_layers": amplified, "false_source_cases": false, "token_failure_cases": tokens,
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -193,6 +193,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", default="tiny", choices=["tiny", "k3geom"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--seed0", type=int, default=FRESH_SEED, help="clean: the first prompt's rng seed")
     p.add_argument("--bugs", nargs="*", default=None, help="only these planted kinds")
     p.add_argument("--work", type=Path, default=None, help="keep checkpoints and scratch dumps here")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON")
@@ -200,7 +201,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = a.work or Path(tmp)
-        result = (clean(a.config, a.dtype, a.prompts, root) if a.what == "clean"
+        result = (clean(a.config, a.dtype, a.prompts, root, a.seed0) if a.what == "clean"
                   else bugs(a.config, a.dtype, a.prompts, root, a.bugs))
     result["command"] = "python tools/compare_rates.py " + " ".join(argv)
     print(markdown(result))

@@ -24,7 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .budgets import EXPERTS_GAIN, MARGIN, ROUTE_TIE, TOKEN_TIE, BudgetTable, gain_key, geometry_of, round_up
+from .budgets import (
+    CONTROL_RATIO,
+    EXPERTS_GAIN,
+    MARGIN,
+    ROUTE_TIE,
+    TOKEN_TIE,
+    BudgetTable,
+    gain_key,
+    geometry_of,
+    round_up,
+)
 from .format import Dump
 from .free_run import checkpoint_misses_layers, free_run
 from .recompute import recompute_layer
@@ -70,9 +80,10 @@ def dump_stats(path: str | Path, checkpoint: str | Path) -> DumpStats:
 
 
 def table_json(stats: Iterable[DumpStats], *, command: str, engine: str, prompts: str = "",
-               margin: float = MARGIN) -> dict:
+               margin: float = MARGIN, dtype_margins: dict[str, float] | None = None) -> dict:
     """The budget table (budgets.BudgetTable.from_json reads it) of these clean dumps: one row per geometry,
-    dtype and measured row."""
+    dtype and measured row; a dtype in `dtype_margins` takes its own margin (not the control_ratio row, which
+    holds for every dtype)."""
     groups: dict[tuple[str, str, str], list[float]] = {}
     for s in stats:
         for key, x in s.worst.items():
@@ -84,8 +95,9 @@ def table_json(stats: Iterable[DumpStats], *, command: str, engine: str, prompts
                                                              for q in (50, 90, 99)}}
         if key == CARRIED:
             continue
-        rows.append({"geometry": geometry, "dtype": dtype, "row": key, "limit": round_up(margin * measured["max"]),
-                     "measured": measured})
+        m = margin if key == CONTROL_RATIO else (dtype_margins or {}).get(dtype, margin)
+        rows.append({"geometry": geometry, "dtype": dtype, "row": key, "limit": round_up(m * measured["max"]),
+                     "margin": m, "measured": measured})
     carried = {f"{g} {d}": max(xs) for (g, d, k), xs in sorted(groups.items()) if k == CARRIED}
     return {"format": "k3conf-budgets", "version": 1, "command": command, "engine": engine, "prompts": prompts,
             "margin": margin, "carried_max": carried, "rows": rows}

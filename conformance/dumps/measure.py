@@ -28,7 +28,7 @@ import numpy as np
 from k3ref.config import K3Config
 from k3ref.weights import synthetic_checkpoint
 
-from .budgets import MARGIN, round_up
+from .budgets import CONTROL_RATIO, FLOAT32_MARGIN, MARGIN, round_up
 from .calibrate import DumpStats, dump_stats, table_json, write_json
 from .recorder import record_torch
 
@@ -130,6 +130,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--prompts", type=int, default=120, help="clean prompts per config and dtype")
     p.add_argument("--margin", type=float, default=MARGIN, help=f"limit = margin x the largest (default {MARGIN})")
+    p.add_argument("--float32-margin", type=float, default=FLOAT32_MARGIN,
+                   help=f"the float32 rows' margin (default {FLOAT32_MARGIN})")
     p.add_argument("--control-pairs", type=int, default=30, help="prompts per config for the control_ratio row")
     p.add_argument("--write", action="store_true", help="write conformance/dumps/budget_table.py")
     p.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
@@ -149,12 +151,15 @@ def main(argv: list[str]) -> None:
             f"{CHECKPOINT_SEED}) of {a.configs}; control_ratio: {a.control_pairs} prompts per config, the worst "
             "ratio of two correct float32 engines (k3torch vs k3ref, k3ref TP 1 vs TP 2) either way")
     table = table_json(stats, command=command, engine="correct k3torch model (bf16: bf16 weights and stores, fp32 "
-                       "accumulation and state; float32)", prompts=plan, margin=a.margin)
+                       "accumulation and state; float32)", prompts=plan, margin=a.margin,
+                       dtype_margins={"float32": a.float32_margin})
     if a.merge:
         earlier = json.loads(a.merge.read_text())
         mine = {(r["geometry"], r["dtype"], r["row"]) for r in table["rows"]}
-        kept = [dict(r, limit=round_up(a.margin * r["measured"]["max"])) for r in earlier["rows"]
-                if (r["geometry"], r["dtype"], r["row"]) not in mine]     # re-derived at this run's margin
+        def margin_of(r: dict) -> float:
+            return a.float32_margin if r["dtype"] == "float32" and r["row"] != CONTROL_RATIO else a.margin
+        kept = [dict(r, limit=round_up(margin_of(r) * r["measured"]["max"]), margin=margin_of(r))
+                for r in earlier["rows"] if (r["geometry"], r["dtype"], r["row"]) not in mine]   # at this run's margins
         table["rows"] = sorted([*table["rows"], *kept], key=lambda r: (r["geometry"], r["dtype"], r["row"]))
         table["command"] = f"{earlier['command']} && {command}"
         table["prompts"] = f"{earlier['prompts']}; {plan}"
