@@ -27,6 +27,8 @@ from typing import Any
 
 from k3ref.config import K3Config
 
+from .budget_table import TABLE
+
 SUBLAYER_ROWS = ("attnres_mixer", "mixer", "attnres_mlp", "mlp", "layer")
 EXPERTS_GAIN = "experts.gain"   # the routed experts' pooled gain score (experts.py), inside the mlp row
 
@@ -143,8 +145,6 @@ def _reason(d: Mapping[str, Any], r: Mapping[str, Any]) -> str:
 
 
 def _default() -> BudgetTable:
-    from .budget_table import TABLE  # noqa: PLC0415 -- generated data module, read once on first use
-
     return BudgetTable.from_json(TABLE, "conformance/dumps/budget_table.py")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pprint
 import sys
 import tempfile
 import time
@@ -26,11 +25,16 @@ from pathlib import Path
 import numpy as np
 
 from k3ref.config import K3Config
+from k3ref.cpu_forward import K3CpuModel
+from k3ref.tp_weights import synthetic_rank_shard
 from k3ref.weights import synthetic_checkpoint
 
 from .budgets import CONTROL_RATIO, FLOAT32_MARGIN, MARGIN, round_up
 from .calibrate import DumpStats, dump_stats, table_json, write_json
+from .control import judge_against
 from .recorder import record_torch
+from .recorder_ref import record_ref, record_ref_tp
+from .verdict import compare_dump
 
 CALIBRATION_SEED = 100_000
 PREFILLS = (8, 1, 13, 63, 64, 65, 5, 31, 100, 129)   # tokens; 63 | 64 | 65 and 128 | 129 sit at chunk/page edges
@@ -77,13 +81,8 @@ def control_pairs(configs: list[str], n: int, root: Path, *, log=print) -> list[
     the same prompt: k3torch against k3ref, and k3ref at TP 1 against TP 2; one DumpStats per pair."""
     import torch  # noqa: PLC0415 -- optional dependency, only the measurement records from torch
 
-    from k3ref.cpu_forward import K3CpuModel  # noqa: PLC0415 -- with the recorders below
-    from k3ref.tp_weights import synthetic_rank_shard  # noqa: PLC0415 -- only the TP-2 control needs it
     from k3torch.modeling_k3 import K3ForCausalLM  # noqa: PLC0415 -- needs torch
 
-    from .control import judge_against  # noqa: PLC0415 -- control imports verdict, which imports this room
-    from .recorder_ref import record_ref, record_ref_tp  # noqa: PLC0415 -- k3ref's recorder, only here
-    from .verdict import compare_dump  # noqa: PLC0415 -- as above
 
     out = []
     for name in configs:
@@ -105,13 +104,21 @@ def control_pairs(configs: list[str], n: int, root: Path, *, log=print) -> list[
     return out
 
 
+def _literal(table: dict) -> str:
+    """TABLE = {...} with one budget row per line (the module stays a readable table, not one value per line)."""
+    head = {k: v for k, v in table.items() if k != "rows"}
+    lines = ["TABLE = {"] + [f"    {k!r}: {v!r}," for k, v in head.items()] + ["    'rows': ["]
+    lines += [f"        {r!r}," for r in table["rows"]]
+    return "\n".join(lines + ["    ],", "}", ""])
+
+
 def write_module(table: dict, path: Path = TABLE_MODULE) -> None:
     """The table as a Python module (TABLE = {...}), written atomically."""
     # ruff: the generated module's lines are as long as the measuring command and the table's reasons
     text = ("# ruff: noqa: E501\n"
             '"""The committed budget table, measured; generated, do not edit: re-measure with\n'
             f"`{table['command']}` (conformance/dumps/measure.py).\"\"\"\n\n"
-            f"TABLE = {pprint.pformat(table, width=116, sort_dicts=False)}\n")
+            + _literal(table))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
