@@ -6,14 +6,14 @@ import argparse
 import sys
 
 from conformance import __version__
-from conformance.cli import admit, blocks, compare, decode, diff, fuzz, model, regen, run, show, synth
+from conformance.cli import admit, blocks, calibrate, compare, decode, diff, fuzz, model, regen, run, show, synth
 from conformance.cli import list as list_
 from conformance.cli.usage import UsageError
 from conformance.golden.errors import GoldenError
 from conformance.session import SessionError
 
 # `k3conf --help` lists them in this order
-COMMANDS = (admit, blocks, compare, decode, diff, fuzz, list_, model, regen, run, show, synth)
+COMMANDS = (admit, blocks, calibrate, compare, decode, diff, fuzz, list_, model, regen, run, show, synth)
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

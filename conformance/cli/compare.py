@@ -2,17 +2,23 @@
 from the dump's own inputs; the layer and sublayer where the divergence starts, the layers that carry it.
 
 Exit 0: every judged layer within budget and the tokens agree; 1: a source, a token disagreement or a missing
-layer; 2: a bad dump (named), bad usage or a checkpoint that does not fit the dump. docs/dumps_compare.md.
+layer; 2: a bad dump (named), bad usage or a checkpoint that does not fit the dump. With `--control DUMP` the
+candidate is also judged against a trusted dump of the same prompts (control.py): exit 1 as well when a layer
+adds more than the control's error allows, or its precision recipe differs. docs/dumps_compare.md.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from conformance.cli.usage import UsageError
+from conformance.dumps.calibrate import read_table
+from conformance.dumps.control import ControlVerdict, common_steps, control_limit, judge_against, same_prompts
 from conformance.dumps.distributed import NotDistributed, check_environment
 from conformance.dumps.errors import DumpError
+from conformance.dumps.format import Dump
 from conformance.dumps.report_files import report_json, write_reports
 from conformance.dumps.report_text import text_lines
 from conformance.dumps.spread import compare_spread
@@ -64,6 +70,11 @@ def register(sub) -> None:
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help="also write report.json, report.md and report.html (with the per-layer plot) here")
     p.add_argument("--json", action="store_true", help="print report.json's content instead of the text")
+    p.add_argument("--control", type=Path, default=None, metavar="DUMP",
+                   help="a dump of the same prompts from a trusted configuration: judge the candidate's added "
+                        "divergence per sublayer against the control's (both against the float64 recompute)")
+    p.add_argument("--budgets", type=Path, default=None, metavar="FILE",
+                   help="a budget table from `k3conf calibrate` (default: the committed one)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: rank r recomputes layers r::world, rank 0 writes the report")
     p.set_defaults(func=run)
@@ -79,22 +90,31 @@ def run(args) -> int:
             raise UsageError(str(e)) from None
     if not (args.checkpoint / "config.json").is_file():
         raise UsageError(f"--checkpoint: expected a checkpoint directory with config.json, found {args.checkpoint}")
-    try:
-        done = compare_spread(args.dump, args.checkpoint, layers=args.layers, workers=args.workers,
-                              free=not args.no_free_run, distributed=args.distributed)
-    except DumpError as e:
-        raise UsageError(f"{args.dump}: {e}") from None
-    except ValueError as e:   # layers not dumped, a checkpoint that does not hold the layers or their shapes
-        raise UsageError(str(e)) from None
+    table = None
+    if args.budgets is not None:
+        try:
+            table = read_table(args.budgets)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"--budgets {args.budgets}: expected a table written by `k3conf calibrate`, found "
+                             f"{e}") from None
+    done = _compare(args, args.dump, table)
     if done is None:          # a torchrun rank other than 0: rank 0 reports
         return 0
     report, how = done
+    against: ControlVerdict | None = None
+    if args.control is not None:
+        against = _against(args, report, table)
     if args.json:
-        print(report_json(report, how))
+        doc = json.loads(report_json(report, how))
+        if against is not None:
+            doc["control"] = against.to_json()
+        print(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False))
     else:
         title = (f"compared: {args.dump} (engine {report.engine!r}, {report.dtype}, TP {report.tp_size}) "
                  f"against {args.checkpoint}")
         print("\n".join(text_lines(report, title=title)))
+        if against is not None:
+            print("\n".join(against.lines()))
     if args.report is not None:
         try:
             paths = write_reports(report, how, args.report)
@@ -103,4 +123,28 @@ def run(args) -> int:
                   file=sys.stderr)
             return report.exit_code or 2
         print(f"reports: {', '.join(map(str, paths))}", file=sys.stderr if args.json else sys.stdout)
-    return report.exit_code
+    return max(report.exit_code, 0 if against is None else against.exit_code)
+
+
+def _compare(args, dump: Path, table):
+    try:
+        return compare_spread(dump, args.checkpoint, layers=args.layers, workers=args.workers,
+                              free=not args.no_free_run, distributed=args.distributed, table=table)
+    except DumpError as e:
+        raise UsageError(f"{dump}: {e}") from None
+    except ValueError as e:   # layers not dumped, a checkpoint that does not hold the layers or their shapes
+        raise UsageError(str(e)) from None
+
+
+def _against(args, report, table) -> ControlVerdict:
+    """The candidate's report judged against the control's (the control compared here the same way)."""
+    try:
+        cand, ctrl = Dump.open(args.dump), Dump.open(args.control)
+    except DumpError as e:
+        raise UsageError(f"--control {args.control}: {e}") from None
+    why = same_prompts(cand, ctrl)
+    if why:
+        raise UsageError(f"--control {args.control}: {why}")
+    done = _compare(args, args.control, table)
+    assert done is not None       # --distributed ranks other than 0 returned before
+    return judge_against(report, done[0], control_limit(cand, table), common_steps(cand, ctrl))

@@ -18,7 +18,7 @@ from k3ref.cores import reference_cores
 from k3ref.cpu_forward import ForwardContext, embed, final_logits, forward_one_layer
 from k3ref.weights import CheckpointReader, checkpoint_layers
 
-from .budgets import ROUTE_TIE, budget_for
+from .budgets import ROUTE_TIE, default_table, geometry_of
 from .divergence import Divergence, divergence
 from .format import Dump
 from .recompute import layer_model, open_cache
@@ -29,7 +29,9 @@ from .routes import route_core
 class StepTokens:
     """One step's token agreement: the engine's choice (None when the dump has none), the reference's top
     token, the reference's margin top1 - top2, its gap top1 - logit[engine's choice], and the largest
-    |engine logit - reference logit| at the last position (None when the dump has no logits)."""
+    |engine logit - reference logit| at the last position (None when the dump has no logits), and the shift:
+    how far the engine moved a gap between the reference's top token t and any other j, max over j of
+    |(r_t - r_j) - (e_t - e_j)| (a greedy flip to j needs r_t - r_j <= that shift; None without logits)."""
 
     step: int
     engine: int | None
@@ -37,6 +39,7 @@ class StepTokens:
     margin: float
     gap: float | None
     logit_err: float | None = None
+    shift: float | None = None
 
     @property
     def agree(self) -> bool:
@@ -49,7 +52,8 @@ class StepTokens:
     def from_json(cls, d: dict) -> StepTokens:
         return cls(int(d["step"]), None if d["engine"] is None else int(d["engine"]), int(d["reference"]),
                    float(d["margin"]), None if d["gap"] is None else float(d["gap"]),
-                   None if d.get("logit_err") is None else float(d["logit_err"]))
+                   None if d.get("logit_err") is None else float(d["logit_err"]),
+                   None if d.get("shift") is None else float(d["shift"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +86,12 @@ def _tokens(step: int, logits: np.ndarray, chosen: int | None, engine: np.ndarra
     top1 = int(order[0])
     margin = float(logits[top1] - logits[order[1]]) if logits.size > 1 else float("inf")
     gap = None if chosen is None else float(logits[top1] - logits[chosen])
-    err = None if engine is None else float(np.max(np.abs(engine[-1] - logits)))
-    return StepTokens(step, chosen, top1, margin, gap, err)
+    err = shift = None
+    if engine is not None:
+        e = np.asarray(engine[-1], np.float64)
+        err = float(np.max(np.abs(e - logits)))
+        shift = float(np.max(np.abs((logits[top1] - logits) - (e[top1] - e))))
+    return StepTokens(step, chosen, top1, margin, gap, err, shift)
 
 
 def _carried(dump: Dump, step: int, layer: int, hub, bf16: bool) -> Divergence:
@@ -95,8 +103,9 @@ def _carried(dump: Dump, step: int, layer: int, hub, bf16: bool) -> Divergence:
     return max(found, key=lambda d: (d.nonfinite, d.rel_rms))
 
 
-def free_run(dump: Dump, checkpoint: str | Path, layers=None) -> FreeRun:
-    """The float64 reference of the dump's tokens; carried divergence at `layers` (default: the dumped ones)."""
+def free_run(dump: Dump, checkpoint: str | Path, layers=None, *, route_tie: float | None = None) -> FreeRun:
+    """The float64 reference of the dump's tokens; carried divergence at `layers` (default: the dumped ones).
+    route_tie: as recompute_layer's (default: the committed budget of the dump's geometry and dtype)."""
     cfg = dump.config
     gone = checkpoint_misses_layers(checkpoint, cfg)
     if gone:
@@ -104,7 +113,8 @@ def free_run(dump: Dump, checkpoint: str | Path, layers=None) -> FreeRun:
                          f"found layers {gone} missing (run with the free run off)")
     want = set(dump.layers if layers is None else layers)
     bf16 = dump.dtype == "bfloat16"
-    tie = budget_for(dump.dtype, ROUTE_TIE)
+    tie = (default_table().row(geometry_of(cfg), dump.dtype, ROUTE_TIE).limit if route_tie is None
+           else route_tie)
     cores = reference_cores()
     total = sum(len(s.tokens) for s in dump.steps)
     hubs: list = []

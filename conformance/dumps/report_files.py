@@ -18,7 +18,7 @@ from pathlib import Path
 from conformance import metadata
 from conformance.report_plots import show_number
 
-from .budgets import BUDGETS
+from .budgets import ROWS
 from .divergence import Divergence
 from .recompute import Row
 from .report_plot import layer_plot
@@ -100,7 +100,7 @@ def markdown(report: DumpReport, run: dict) -> str:
     if report.notes:
         lines += ["", "## Notes", "", *(f"- {n}" for n in report.notes)]
     lines += ["", "## Budgets", "", "| row | limit | reason |", "|---|---:|---|"]
-    lines += [f"| {b.sublayer} | {sci(b.limit)} | {b.reason} |" for b in BUDGETS if b.dtype == report.dtype]
+    lines += [f"| {k} | {sci(report.budgets[k])} | {report.budget_source} |" for k in ROWS if k in report.budgets]
     lines += ["", f"Run: {_how(run)}", ""]
     return "\n".join(lines)
 
@@ -159,7 +159,8 @@ def html_page(report: DumpReport, run: dict) -> str:
     if report.notes:
         body += ["<h2 id=notes>Notes</h2><ul>", *(f"<li>{_e(n)}</li>" for n in report.notes), "</ul>"]
     body += ["<h2 id=budgets>Budgets</h2><table><tr><th>row</th><th>limit</th><th>reason</th></tr>",
-             *(f"<tr><td>{_e(b.sublayer)}</td><td class=n>{sci(b.limit)}</td><td>{_e(b.reason)}</td></tr>"
-               for b in BUDGETS if b.dtype == report.dtype), "</table>"]
+             *(f"<tr><td>{_e(k)}</td><td class=n>{sci(report.budgets[k])}</td><td>{_e(report.budget_source)}</td>"
+               "</tr>"
+               for k in ROWS if k in report.budgets), "</table>"]
     return ("<!doctype html><html lang=en><head><meta charset=utf-8><title>k3conf compare</title>"
             f"<style>{_CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from .budgets import budget_for
 from .recompute import LAYER_ROW, SUBLAYERS
 from .verdict import DumpReport, LayerSummary
 
@@ -69,15 +68,8 @@ def header_lines(report: DumpReport) -> list[str]:
     head = f"{'layer':>5}  {'mixer':<5}  {'mlp':<5}  " + "".join(f"{c:<{_W + 4}}" for c in (*COLUMNS, "carried"))
     # the carried divergence has no fixed budget (a correct engine's grows with depth): a carrier is a layer
     # whose input is further off than the source's own input was (verdict.py)
-    budgets = [_budget(report.dtype, c) for c in COLUMNS] + [None]
+    budgets = [report.budgets.get(c) for c in COLUMNS] + [None]
     return [head + "verdict", f"{'budget':<21}" + "".join(f"{sci(b):<{_W + 4}}" for b in budgets)]
-
-
-def _budget(dtype: str, column: str) -> float | None:
-    try:
-        return budget_for(dtype, column)
-    except ValueError:
-        return None
 
 
 def layer_line(s: LayerSummary) -> str:
@@ -104,7 +96,9 @@ def token_lines(report: DumpReport) -> list[str]:
     bad = set(report.token_failures)
     for t in free.tokens:
         engine = "-" if t.engine is None else str(t.engine)
-        mark = "" if t.agree else ("  DISAGREE" if t.step in bad else "  differs at a near-tie (noted)")
+        mark = "" if t.agree else ("  DISAGREE" if t.step in bad else
+                                   f"  differs at a near tie (gap within the {report.token_tie:.3g} a correct "
+                                   f"{report.dtype} engine moves a logit gap; noted)")
         gap = "" if t.gap is None or t.agree else f", gap to the engine's token {t.gap:.4g}"
         lines.append(f"  step {t.step}: engine {engine}, reference {t.reference}, margin {t.margin:.4g}{gap}{mark}")
     return lines
@@ -117,6 +111,8 @@ def text_lines(report: DumpReport, *, title: str = "") -> list[str]:
     lines += header_lines(report)
     lines += [layer_line(s) for s in report.layers]
     lines += [f"{layer:>5}  missing" for layer in report.missing]
+    lines += [f"amplification: {a}" for a in report.amplification]
+    lines += [] if report.kda_state is None else [f"precision: {report.kda_state.line()}"]
     lines += token_lines(report)
     lines += [f"finding: {f}" for f in report.findings]
     lines += [f"note: {n}" for n in report.notes]

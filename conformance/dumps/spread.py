@@ -15,12 +15,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from .budgets import BudgetTable
 from .distributed import run_ranks
 from .format import Dump
 from .free_run import FreeRun, checkpoint_misses_layers, free_run
 from .recompute import LayerResult, recompute_layer
 from .report_text import ranges
-from .verdict import DumpReport, assemble, check_checkpoint
+from .verdict import DumpReport, assemble, check_checkpoint, table_budgets
 from .workers import LayerRuns, RunLayer, run_layers
 
 
@@ -37,7 +38,8 @@ def pick_layers(dump: Dump, layers: Iterable[int] | None) -> list[int]:
 
 def compare_spread(path: str | Path, checkpoint: str | Path, *, layers: Iterable[int] | None = None,
                    workers: int = 1, free: bool = True, distributed: bool = False,
-                   run_layer: RunLayer = recompute_layer) -> tuple[DumpReport, dict] | None:
+                   run_layer: RunLayer = recompute_layer,
+                   table: BudgetTable | None = None) -> tuple[DumpReport, dict] | None:
     """(report, how it ran) of the dump at `path` against `checkpoint`; None on a torchrun rank other than 0.
     Raises DumpError for a bad dump, ValueError for layers the dump does not hold."""
     t0 = time.perf_counter()
@@ -63,7 +65,9 @@ def compare_spread(path: str | Path, checkpoint: str | Path, *, layers: Iterable
         runs, ref, run["ranks"] = spread
     else:
         runs, ref = run_layers(dump, checkpoint, wanted, workers=workers, run_layer=run_layer, meanwhile=meanwhile)
-    report = assemble(dump, results_of(runs), ref, wanted=wanted, notes=notes + run_notes(runs))
+    budgets, source = table_budgets(table, dump)
+    report = assemble(dump, results_of(runs), ref, budgets, wanted=wanted, notes=notes + run_notes(runs),
+                      budget_source=source)
     run["failures"] = runs.failures
     run["seconds"] = round(time.perf_counter() - t0, 3)
     return report, run
