@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +43,9 @@ from k3ref.cores import reference_cores
 from k3ref.cpu_forward import K3CpuModel
 from k3ref.latent_moe import route_weights
 from k3ref.ops import sigmoid
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fresh_margins import _seeds  # noqa: E402 - a sibling script: one reading of FIRST:END for every tool
 
 
 class ScoreTap:
@@ -109,13 +114,6 @@ def reference_scores(golden, prompt_len: int, cfg: K3Config) -> dict:
     tap = ScoreTap(reference_cores().moe_route)
     Stepper(model, reference_cores(), None, tap, prompt_len).run(golden.group("inputs")["tokens"])
     return {"scores": tap.scores}
-
-
-def _seeds(text: str) -> range:
-    lo, _, hi = text.partition(":")
-    if not (lo.isdigit() and hi.isdigit() and int(lo) < int(hi)):
-        raise argparse.ArgumentTypeError(f"expected FIRST:END (non-negative, FIRST < END), found {text!r}")
-    return range(int(lo), int(hi))
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -29,12 +31,8 @@ from conformance.golden.errors import GoldenError
 from conformance.golden.store import COMMITTED_ROOT
 from conformance.runner import Runner
 
-
-def _seeds(text: str) -> range:
-    lo, _, hi = text.partition(":")
-    if not (lo.isdigit() and hi.isdigit() and int(lo) < int(hi)):
-        raise argparse.ArgumentTypeError(f"expected FIRST:END (non-negative, FIRST < END), found {text!r}")
-    return range(int(lo), int(hi))
+sys.path.insert(0, str(Path(__file__).parent))
+from fresh_margins import _seeds  # noqa: E402 - a sibling script: one reading of FIRST:END for every tool
 
 
 def main() -> None:
